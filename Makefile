@@ -1,0 +1,23 @@
+# Two commands for a fresh machine:  `make train` (set up + main job)  and  `make test` (set up + tests).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/multicard: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch pinned first, so that nothing below pulls a CUDA build from the registry
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/multicard
+
+train: setup
+	$(BIN)/multicard train
+
+test: setup
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/pytest
+
+.PHONY: setup train test

@@ -1,0 +1,17 @@
+"""multicard: one training loop for one CPU, one card or many cards (single, dp, dp-balanced, ddp).
+
+The names below load on first use, so that `multicard --help` does not wait for torch.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+_HOME = {"train": "run", "TrainConfig": "config", "UsageError": "errors", "save": "checkpoint",
+         "load": "checkpoint", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'multicard' has no attribute {name!r}")
+    return getattr(import_module(f".{_HOME[name]}", __name__), name)

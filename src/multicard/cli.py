@@ -1,0 +1,99 @@
+"""The command line: multicard train | check | env. Flags come from the TrainConfig fields.
+
+Imports stay light here (no torch at module level): `multicard --help` must answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import MISSING, fields
+
+from .config import TrainConfig
+from .errors import UsageError
+
+
+def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig | None = None) -> None:
+    for f in fields(TrainConfig):
+        default = getattr(defaults, f.name) if defaults else (f.default if f.default is not MISSING else None)
+        flag = "--" + f.name.replace("_", "-")
+        help = f"{f.metadata.get('help', '')} (default: {default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=kind, default=default, help=help, metavar=f.name.upper(),
+                                choices=f.metadata.get("choices"))
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import data, models
+    from .run import train
+
+    config = config_from(args)
+    if config.epochs < 1:
+        raise UsageError(f"--epochs {config.epochs}: must be at least 1")
+    train_data, test_data = data.load(config.data, config.data_dir, config.download, config.augment,
+                                      config.synthetic_samples, config.seed)
+    torch.manual_seed(config.seed)  # the same initial weights in every process and every run
+    model = models.build(config.model)
+    train(model, train_data, test_data, config)
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+
+    from .dist import job_from_env
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
+    print(f"CUDA available: {torch.cuda.is_available()}, cards: {torch.cuda.device_count()}")
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB")
+    dist = torch.distributed
+    print(f"backends: gloo {dist.is_gloo_available()}, nccl {dist.is_nccl_available()}")
+    print(f"launcher: {job_from_env()}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="multicard", description="Train PyTorch models on one CPU, one card or "
+                                "many, with one loop: --strategy single | ddp | dp | dp-balanced.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)")
+    add_config_flags(t)
+    t.set_defaults(run=cmd_train)
+    e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
+    e.set_defaults(run=cmd_env)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .launch import RankFailed
+
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"multicard: error: {e}", file=sys.stderr)
+        return 2
+    except RankFailed as e:
+        last = e.trace.strip().splitlines()[-1] if e.trace.strip() else ""
+        if last.startswith("multicard.errors.UsageError: "):  # a bad input found inside a process
+            print(f"multicard: error: {last.split(': ', 1)[1]}", file=sys.stderr)
+            return 2
+        print(f"multicard: rank {e.rank} failed; its traceback:\n{e.trace.rstrip()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("multicard: interrupted", file=sys.stderr)
+        return 130

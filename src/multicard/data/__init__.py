@@ -1,0 +1,31 @@
+"""Datasets by name, and the loaders that shard them over processes."""
+
+from __future__ import annotations
+
+from ..errors import UsageError
+from .images import ImageData
+
+NAMES = ("mnist-5k", "mnist", "fashion-mnist", "synthetic")
+
+
+def load(name: str, data_dir: str | None = None, download: bool = False, augment: bool = False,
+         synthetic_samples: int = 8192, seed: int = 0) -> tuple[ImageData, ImageData]:
+    """(train, test) for a dataset name; `augment` applies to the training side only."""
+    if name == "mnist-5k":
+        from . import mnist5k
+
+        return mnist5k.load(augment)
+    if name in ("mnist", "fashion-mnist"):
+        from . import idx
+
+        return idx.load(name, data_dir, download, augment)
+    if name == "synthetic":
+        from . import synthetic
+
+        if synthetic_samples < 1:
+            raise UsageError(f"--synthetic-samples {synthetic_samples}: must be at least 1")
+        return synthetic.load(synthetic_samples, seed=seed)
+    raise UsageError(f"--data {name}: unknown; choose one of {', '.join(NAMES)}")
+
+
+__all__ = ["NAMES", "ImageData", "load"]

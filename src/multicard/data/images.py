@@ -1,0 +1,41 @@
+"""ImageData: images held in memory as uint8, served a whole batch per index list (no per-sample collation)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+class ImageData(TensorDataset):
+    """(N, C, H, W) uint8 images and int64 labels. `data[indices]` returns a normalized float batch."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: float, std: float,
+                 augment: bool = False):
+        super().__init__(images, labels)
+        self.mean, self.std, self.augment = mean, std, augment
+
+    def __getitem__(self, index):
+        images, labels = self.tensors[0][index], self.tensors[1][index]
+        x = images.float().div_(255)
+        if self.augment and x.dim() == 4:
+            x = random_affine(x)
+        return x.sub_(self.mean).div_(self.std), labels
+
+    def with_augment(self, augment: bool) -> ImageData:
+        return ImageData(*self.tensors, self.mean, self.std, augment)
+
+
+def random_affine(x: torch.Tensor, turn: float = 0.2, scale: float = 0.1, shift: float = 0.05) -> torch.Tensor:
+    """Rotate by up to `turn` radians, scale by up to ±`scale`, shift by up to `shift` of the side, per image.
+
+    Uses the global torch RNG, so each rank (seeded seed + rank) draws its own.
+    """
+    n = x.shape[0]
+    angle = (torch.rand(n) * 2 - 1) * turn
+    zoom = 1 + (torch.rand(n) * 2 - 1) * scale
+    move = (torch.rand(n, 2) * 2 - 1) * shift * 2  # grid coordinates span 2 per image side
+    cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
+    theta = torch.stack([torch.stack([cos, -sin, move[:, 0]], 1), torch.stack([sin, cos, move[:, 1]], 1)], 1)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, align_corners=False)

@@ -1,0 +1,57 @@
+"""Loaders that give each process its share: shuffled shards for training, exact shards for evaluation."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class ShardSampler(Sampler[int]):
+    """Every `world`-th index from `rank`: each sample in exactly one shard, none padded or repeated.
+
+    DistributedSampler pads the last shard with repeats so that shards are equal; for evaluation that would
+    count some samples twice. Shards here may differ by one sample; metrics are reduced as sums.
+    """
+
+    def __init__(self, size: int, rank: int = 0, world: int = 1):
+        self.size, self.rank, self.world = size, rank, world
+
+    def __iter__(self):
+        return iter(range(self.rank, self.size, self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world))
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, train: bool, rank: int = 0, world: int = 1,
+                seed: int = 0, workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """`batch_size` is per process. Training shuffles one global permutation per epoch (the same for every
+    world size) and deals it out, so N processes see, step by step, the samples one process would see."""
+    if train:
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    else:
+        sampler = ShardSampler(len(dataset), rank, world)
+    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
+    if isinstance(dataset, TensorDataset):  # in memory: index a whole batch at once, no per-sample collation
+        return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
+                          **common)
+    return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **common)
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Reshuffle for this epoch (users of DistributedSampler must remember this; here it is done for them)."""
+    sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+
+
+def to_device(batch, device: torch.device):
+    """Move a tensor, or any tuple / list / dict of them, to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

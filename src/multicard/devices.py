@@ -1,0 +1,99 @@
+"""Parse --devices, and pin the chosen cards before CUDA starts (as the seeds do with CUDA_VISIBLE_DEVICES).
+
+Forms: auto | cpu | cpu:N | N (a count of cards) | 0,1 (card ids) | cuda | cuda:1 (one card by id).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class Devices:
+    kind: str  # "cpu" or "cuda"
+    ids: tuple[int, ...]  # card indices; for the CPU, one entry per process
+    note: str = ""  # said to the user, e.g. "no CUDA card: using the CPU"
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def names(self) -> list[str]:
+        if self.kind == "cpu":
+            return ["cpu"] * self.count
+        import torch
+
+        return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in self.ids]
+
+
+def parse(text: str, cards: int) -> Devices:
+    """Turn --devices into Devices, given how many CUDA cards are visible. Pure: no CUDA is touched."""
+    t = text.strip().lower().replace(" ", "")
+    if t == "auto":
+        if cards == 0:
+            return Devices("cpu", (0,), note="no CUDA card found: training on the CPU")
+        return Devices("cuda", tuple(range(cards)))
+    if t == "cpu":
+        return Devices("cpu", (0,))
+    if m := re.fullmatch(r"cpu:(-?\d+)", t):
+        n = int(m.group(1))
+        if n < 1:
+            raise UsageError(f"--devices {text}: the number of CPU processes must be at least 1")
+        return Devices("cpu", tuple(range(n)))
+    if t == "cuda":
+        _need_cards(text, cards)
+        return Devices("cuda", tuple(range(cards)))
+    if re.fullmatch(r"-?\d+", t):
+        n = int(t)
+        _need_cards(text, cards)
+        if not 1 <= n <= cards:
+            raise UsageError(f"--devices {text}: asks for {n} cards, this machine has {cards} (use 1..{cards})")
+        return Devices("cuda", tuple(range(n)))
+    if m := re.fullmatch(r"(?:cuda:)?(-?\d+(?:,-?\d+)*),?", t):
+        ids = [int(i) for i in m.group(1).split(",")]
+        _need_cards(text, cards)
+        bad = [i for i in ids if not 0 <= i < cards]
+        if bad:
+            raise UsageError(f"--devices {text}: no card with id {bad[0]} (this machine has ids 0..{cards - 1})")
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"--devices {text}: a card is named twice; name each card once")
+        return Devices("cuda", tuple(ids))
+    raise UsageError(f"--devices {text}: not understood; use auto, cpu, cpu:N, a count N, ids 0,1 or cuda:1")
+
+
+def _need_cards(text: str, cards: int) -> None:
+    if cards == 0:
+        raise UsageError(f"--devices {text}: this machine has no CUDA card; use --devices cpu or cpu:N")
+
+
+def _count_cards() -> tuple[int, bool]:
+    """How many CUDA cards are visible, and whether CUDA is still unstarted (so visibility can be set).
+
+    NVML counts without starting CUDA; torch.cuda.device_count() would start it and freeze the visible set.
+    """
+    import torch
+
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # card ids as nvidia-smi shows them
+    if not torch.backends.cuda.is_built():
+        return 0, False
+    if not torch.cuda.is_initialized():
+        n = torch.cuda._device_count_nvml()
+        if n >= 0:
+            return n, True
+    return torch.cuda.device_count(), False
+
+
+def select(text: str) -> Devices:
+    """Parse --devices for this machine; where CUDA has not started yet, show the process only those cards."""
+    cards, unstarted = _count_cards()
+    devices = parse(text, cards)
+    if devices.kind == "cuda" and unstarted:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = shown.split(",") if shown else [str(i) for i in range(cards)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i].strip() for i in devices.ids)
+        devices = Devices("cuda", tuple(range(devices.count)), devices.note)
+    return devices

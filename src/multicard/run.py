@@ -1,0 +1,122 @@
+"""train(): the library's entry point. Picks the strategy, launches its processes, runs the loop in each,
+and has rank 0 write metrics.jsonl, summary.json and model.pt."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from . import checkpoint, launch, memory, strategies
+from .config import TrainConfig
+from .data.loaders import make_loader
+from .devices import select
+from .dist import job_from_env
+from .train import accuracy, fit
+
+
+def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
+          config: TrainConfig | None = None, criterion: Callable | None = None,
+          metric: Callable = accuracy, **overrides) -> dict:
+    """Train `model` with the strategy and devices of `config` (keyword overrides allowed, e.g. epochs=2).
+
+    `train_data` / `test_data` yield (inputs, targets); `criterion(outputs, targets)` returns the batch mean
+    (CrossEntropyLoss by default). Where the strategy needs several processes they are spawned here, so call
+    this under `if __name__ == "__main__":` and keep model, data and criterion picklable. Returns the summary.
+    """
+    config = replace(config or TrainConfig(), **overrides)
+    job = job_from_env()
+    devices = select(config.devices)
+    strategy = strategies.create(config.strategy, devices, job, config.find_unused_parameters)
+    strategy.local_batch(config.batch_size)  # a bad global batch fails here, before any process starts
+    args = (strategy, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config)
+    if strategy.processes == 1:
+        return worker(*args)
+    launch.run(worker, strategy.processes, args)
+    return json.loads((Path(config.out) / "summary.json").read_text())
+
+
+def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
+           criterion: Callable, metric: Callable, config: TrainConfig) -> dict:
+    """The body of every training process: start, train, report, and always stop (process group down)."""
+    begin = time.perf_counter()
+    try:
+        strategy.start(job_from_env())
+        torch.manual_seed(config.seed + strategy.rank)  # per rank: augmentation and dropout differ
+        cuda = strategy.device.type == "cuda"
+        common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda)
+        train_loader = make_loader(train_data, strategy.local_batch(config.batch_size), train=True,
+                                   seed=config.seed, **common)
+        test_loader = test_data and make_loader(test_data, max(1, config.eval_batch_size // strategy.world),
+                                                train=False, **common)
+        memory.reset(strategy.cards)
+        out = Path(config.out)
+        report = Report(out, config, strategy.is_main)
+        if strategy.is_main:
+            say(f"training {type(model).__name__} on {len(train_data)} samples: strategy {strategy.name}, "
+                f"{strategy.world} process(es), devices {strategy.devices.kind} x{strategy.devices.count}, "
+                f"global batch {config.batch_size}" + (f" ({strategy.devices.note})" if strategy.devices.note else ""))
+        model, history = fit(model, criterion, train_loader, test_loader, strategy, config, metric, report.epoch)
+        names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in strategy.cards] or ["cpu"]
+        summary = {
+            "strategy": strategy.name, "world_size": strategy.world, "launcher": strategy.job.launcher,
+            "devices": strategy.gather(names), "epochs": config.epochs, "global_batch_size": config.batch_size,
+            "per_process_batch_size": strategy.local_batch(config.batch_size),
+            **{k: history[-1][k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples")
+               if history and k in history[-1]},
+            "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
+            / max(sum(r["seconds"] for r in history), 1e-9),
+            "wall_s": time.perf_counter() - begin, "peak_memory_mb": strategy.gather(memory.peak_mb(strategy.cards)),
+            "model": type(strategy.unwrap(model)).__name__, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
+        }
+        if strategy.is_main:
+            report.finish(summary, model)
+        return summary
+    finally:
+        strategy.stop()
+
+
+def say(line: str) -> None:
+    tqdm.write(f"multicard: {line}")
+
+
+class Report:
+    """What rank 0 writes into --out: a line per epoch, then the summary and the model."""
+
+    def __init__(self, out: Path, config: TrainConfig, active: bool):
+        self.out, self.config, self.active = out, config, active
+        if active:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "metrics.jsonl").write_text("")
+
+    def epoch(self, record: dict) -> None:
+        if not self.active:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if not self.config.quiet:
+            acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+            say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
+                f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s")
+
+    def finish(self, summary: dict, model: nn.Module) -> None:
+        checkpoint.save(model, self.out / "model.pt")
+        tmp = self.out / "summary.json.part"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.out / "summary.json")
+        acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
+            if "test_accuracy" in summary else ""
+        memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
+        say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
+            f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]")
+        say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")

@@ -1,0 +1,34 @@
+"""Strategies by name, and the choice of one for a config and a machine."""
+
+from __future__ import annotations
+
+from ..devices import Devices
+from ..dist import Job
+from ..errors import UsageError
+from .base import Strategy
+from .ddp import DDP
+from .single import Single
+
+STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP}
+
+
+def choose(name: str, devices: Devices, job: Job) -> str:
+    """Resolve "auto" and reject combinations that cannot work, in one line each."""
+    if name == "auto":
+        return "ddp" if job.world > 1 or devices.count > 1 else "single"
+    if name not in STRATEGIES:
+        raise UsageError(f"--strategy {name}: unknown; choose auto or one of {', '.join(STRATEGIES)}")
+    if name != "ddp" and job.world > 1:
+        raise UsageError(f"--strategy {name} runs in one process, but {job.launcher} started {job.world}; "
+                         f"use --strategy ddp")
+    if name == "single" and devices.count > 1:
+        raise UsageError(f"--strategy single trains on one device, but --devices names {devices.count}; "
+                         f"use --strategy ddp, or one device")
+    return name
+
+
+def create(name: str, devices: Devices, job: Job, find_unused_parameters: bool = False) -> Strategy:
+    return STRATEGIES[choose(name, devices, job)](devices, job, find_unused_parameters)
+
+
+__all__ = ["STRATEGIES", "Strategy", "choose", "create"]

@@ -1,0 +1,99 @@
+"""The Strategy interface: everything that differs between single, dp, dp-balanced and ddp.
+
+The loop in train.py calls only these methods, never asks which strategy it has. A strategy wraps the model
+AND the criterion, so dp-balanced can keep outputs and losses on the cards without the loop knowing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..devices import Devices
+from ..dist import Job
+from ..errors import UsageError
+
+
+class Strategy:
+    name = "single"
+
+    def __init__(self, devices: Devices, job: Job | None = None, find_unused_parameters: bool = False):
+        self.devices = devices
+        self.job = job or Job()  # the launched job this process belongs to; set again in start()
+        self.find_unused_parameters = find_unused_parameters
+
+    # -- shape of the job ------------------------------------------------------------------------------
+    @property
+    def processes(self) -> int:
+        """How many processes to launch on this machine."""
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    @property
+    def world(self) -> int:
+        """Processes in the whole job: the launcher's count, or the count this strategy will spawn."""
+        return self.job.world if self.job.launched else self.processes
+
+    @property
+    def is_main(self) -> bool:
+        return self.job.rank == 0  # this process prints, shows progress and writes the files
+
+    @property
+    def device(self) -> torch.device:
+        """Where this process puts its inputs and targets."""
+        return torch.device("cuda", self.devices.ids[0]) if self.devices.kind == "cuda" else torch.device("cpu")
+
+    @property
+    def cards(self) -> list[int]:
+        """The CUDA cards this process drives (their peak memory is reported)."""
+        return [self.device.index] if self.device.type == "cuda" else []
+
+    def local_batch(self, global_batch: int) -> int:
+        """Samples per process per step, from the global batch (samples per optimizer step)."""
+        if global_batch < 1:
+            raise UsageError(f"--batch-size {global_batch}: must be at least 1")
+        if global_batch % self.world:
+            lo, hi = global_batch // self.world * self.world, -(-global_batch // self.world) * self.world
+            raise UsageError(f"--batch-size {global_batch} does not split over {self.world} processes; "
+                             f"use a multiple of {self.world} (e.g. {lo or hi} or {hi})")
+        return global_batch // self.world
+
+    # -- in the process that trains --------------------------------------------------------------------
+    def start(self, job: Job) -> None:
+        self.job = job
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def setup(self, model: nn.Module, criterion: Callable) -> tuple[nn.Module, Callable]:
+        """Move and wrap the model; wrap the criterion so it returns the loss over the whole local batch."""
+        return self.wrap_model(model.to(self.device)), self.wrap_loss(criterion)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_loss(self, fn: Callable) -> Callable:
+        """fn(outputs, targets) -> batch mean(s); the wrapped one gives the same over the whole local batch."""
+        return fn
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        """Add up per-process sums (losses, counts) over all processes."""
+        return sums
+
+    def gather(self, values: list[float]) -> list[float]:
+        """Concatenate each process's list, in rank order."""
+        return values
+
+    def synchronize(self) -> None:
+        for card in self.cards:
+            torch.cuda.synchronize(card)
+
+    def stop(self) -> None:
+        """Always called, also after an error."""
