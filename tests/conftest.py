@@ -1,0 +1,40 @@
+"""Shared test helpers: run the CLI in a fresh interpreter, and tiny in-memory data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multicard.data.images import ImageData
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m multicard ARGS` in a new process, output captured as text."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "multicard", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def tiny_images(n: int = 96, seed: int = 0) -> ImageData:
+    """n MNIST-shaped images whose label is readable from the image (a bright square per class)."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = torch.randint(0, 40, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
+    for i, y in enumerate(labels.tolist()):
+        r, c = divmod(y, 5)
+        images[i, 0, 4 + 10 * r: 12 + 10 * r, 2 + 5 * c: 6 + 5 * c] = 255
+    return ImageData(images, labels, 0.2, 0.3)
+
+
+@pytest.fixture
+def tiny():
+    return tiny_images(96, 0), tiny_images(50, 1)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")
