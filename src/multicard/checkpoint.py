@@ -11,19 +11,19 @@ from torch import nn
 
 from .errors import UsageError
 
-PREFIX = "module."  # what DataParallel / DistributedDataParallel put before every key
+PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch.compile put before every key
 
 
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state_dict of the innermost module, on the CPU, without wrapper prefixes."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+    while inner := next((getattr(model, a) for a in ("module", "_orig_mod") if hasattr(model, a)), None):
+        model = inner
     return {strip(k): v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def strip(key: str) -> str:
-    while key.startswith(PREFIX):
-        key = key[len(PREFIX):]
+    while prefix := next((p for p in PREFIXES if key.startswith(p)), None):
+        key = key[len(prefix):]
     return key
 
 
@@ -56,7 +56,7 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
     state = {strip(k): v for k, v in state.items()}
     own = model.state_dict()
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    wrong = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    wrong = [k for k in own if k in state and own[k].shape != state[k].shape]  # in model order: one message
     if missing or extra or wrong:
         first = (missing and f"missing {missing[0]}") or (extra and f"unexpected {extra[0]}") or \
             f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"

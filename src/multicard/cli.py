@@ -38,14 +38,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .run import train
 
     config = config_from(args)
-    if config.epochs < 1:
-        raise UsageError(f"--epochs {config.epochs}: must be at least 1")
-    train_data, test_data = data.load(config.data, config.data_dir, config.download, config.augment,
-                                      config.synthetic_samples, config.seed)
+    for flag, value, least in (("--epochs", config.epochs, 1), ("--lr-step", config.lr_step, 1),
+                               ("--workers", config.workers, 0)):
+        if value < least:  # checked before anything runs: torch would fail later, some only after an epoch
+            raise UsageError(f"{flag} {value}: must be at least {least}")
+    if not config.lr > 0:
+        raise UsageError(f"--lr {config.lr}: must be a positive number")
     torch.manual_seed(config.seed)  # the same initial weights in every process and every run
     model = models.build(config.model)
+    shape = getattr(model, "input_shape", (1, 28, 28))
+    train_data, test_data = data.load(config.data, config.data_dir, config.download, config.augment,
+                                      config.synthetic_samples, config.seed, shape)
+    if tuple(train_data.tensors[0].shape[1:]) != tuple(shape):
+        raise UsageError(f"--model {config.model} takes {'x'.join(map(str, shape))} images, --data {config.data} "
+                         f"has {'x'.join(map(str, train_data.tensors[0].shape[1:]))}; use --data synthetic")
     train(model, train_data, test_data, config)
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .parity import check
+
+    result = check(config_from(args), args.steps, args.tolerance)
+    print("\n".join(result.lines()))
+    return 0 if result.ok else 1
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -73,6 +89,11 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)")
     add_config_flags(t)
     t.set_defaults(run=cmd_train)
+    c = sub.add_parser("check", help="parity: K steps on 1 process vs N (default: every card, else cpu:2)")
+    add_config_flags(c)
+    c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
+    c.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed weight difference (default: 1e-4)")
+    c.set_defaults(run=cmd_check)
     e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
     e.set_defaults(run=cmd_env)
     return p

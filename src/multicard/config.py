@@ -54,6 +54,13 @@ class TrainConfig:
     # data is held in memory and indexed a batch at a time: loader processes rarely pay off
     workers: int = opt(0, "DataLoader worker processes per training process")
 
+    # the fast path for small models: data lives on the device, batches are cut there, no DataLoader at all
+    device_data: bool = opt(False, "hold the whole dataset on the device and index batches there")
+    # exact fp32 stays the default; bf16 autocast is faster on cards at a small cost in precision
+    precision: str = opt("fp32", "fp32, or bf16 (autocast)", choices=("fp32", "bf16"))
+    # compiling costs tens of seconds up front; worth it only for long runs on cards
+    compile: bool = opt(False, "torch.compile the model")
+
     # output
     quiet: bool = opt(False, "no progress bar and no per-epoch lines")
     # a rerun with the same --out replaces that run's files

@@ -3,6 +3,7 @@ and has rank 0 write metrics.jsonl, summary.json and model.pt."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from .config import TrainConfig
 from .data.loaders import make_loader
 from .devices import select
 from .dist import job_from_env
-from .train import accuracy, fit
+from .loop import accuracy, fit
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -42,6 +43,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     if strategy.processes == 1:
         return worker(*args)
     launch.run(worker, strategy.processes, args)
+    checkpoint.load(model, Path(config.out) / "model.pt")  # the caller's model ends trained, as with one process
     return json.loads((Path(config.out) / "summary.json").read_text())
 
 
@@ -51,9 +53,13 @@ def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset,
     begin = time.perf_counter()
     try:
         strategy.start(job_from_env())
+        if strategy.job.launcher == "multicard":  # spawned: tensors arrive in memory shared by all processes,
+            model = copy.deepcopy(model)  # so each process needs weights of its own (data stays shared)
         torch.manual_seed(config.seed + strategy.rank)  # per rank: augmentation and dropout differ
         cuda = strategy.device.type == "cuda"
-        common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda)
+        torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
+        common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda,
+                      device=strategy.device if config.device_data else None)
         train_loader = make_loader(train_data, strategy.local_batch(config.batch_size), train=True,
                                    seed=config.seed, **common)
         test_loader = test_data and make_loader(test_data, max(1, config.eval_batch_size // strategy.world),

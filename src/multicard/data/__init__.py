@@ -9,8 +9,10 @@ NAMES = ("mnist-5k", "mnist", "fashion-mnist", "synthetic")
 
 
 def load(name: str, data_dir: str | None = None, download: bool = False, augment: bool = False,
-         synthetic_samples: int = 8192, seed: int = 0) -> tuple[ImageData, ImageData]:
-    """(train, test) for a dataset name; `augment` applies to the training side only."""
+         synthetic_samples: int = 8192, seed: int = 0,
+         shape: tuple[int, ...] = (1, 28, 28)) -> tuple[ImageData, ImageData]:
+    """(train, test) for a dataset name; `augment` applies to the training side only; `shape` is the
+    synthetic sample shape (the others are 1x28x28)."""
     if name == "mnist-5k":
         from . import mnist5k
 
@@ -24,7 +26,7 @@ def load(name: str, data_dir: str | None = None, download: bool = False, augment
 
         if synthetic_samples < 1:
             raise UsageError(f"--synthetic-samples {synthetic_samples}: must be at least 1")
-        return synthetic.load(synthetic_samples, seed=seed)
+        return synthetic.load(synthetic_samples, shape, seed=seed)
     raise UsageError(f"--data {name}: unknown; choose one of {', '.join(NAMES)}")
 
 

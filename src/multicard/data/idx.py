@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
+import math
 import os
 import shutil
 import urllib.request
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +52,7 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
         with open(path, "rb") as f:
             gzipped = f.read(2) == b"\x1f\x8b"
         raw = gzip.open(path).read() if gzipped else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise UsageError(f"{path}: cannot read: {e}") from None
     dims = 3 if magic == IMAGES_MAGIC else 1
     head = 4 + 4 * dims
@@ -60,7 +63,7 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
         raise UsageError(f"{path}: bad magic number {found}, expected {magic} "
                          f"({'images' if magic == IMAGES_MAGIC else 'labels'} IDX file)")
     shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
-    want = head + int(np.prod(shape))
+    want = head + math.prod(shape)
     if len(raw) != want:
         raise UsageError(f"{path}: size {len(raw)} bytes, but its header {shape} needs exactly {want}")
     return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(shape)
@@ -116,10 +119,13 @@ def fetch(folder: Path, mirrors: tuple[str, ...], md5s: dict[str, str]) -> None:
             try:
                 with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as f:
                     shutil.copyfileobj(response, f)
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:  # a cut connection is an HTTPException
                 part.unlink(missing_ok=True)
                 errors.append(f"{url}: {e}")
                 continue
+            except BaseException:  # Ctrl-C: leave no half file behind
+                part.unlink(missing_ok=True)
+                raise
             digest = hashlib.md5(part.read_bytes()).hexdigest()
             if digest == md5s[stem]:
                 os.replace(part, folder / (stem + ".gz"))

@@ -25,6 +25,9 @@ class ImageData(TensorDataset):
     def with_augment(self, augment: bool) -> ImageData:
         return ImageData(*self.tensors, self.mean, self.std, augment)
 
+    def to(self, device: torch.device) -> ImageData:
+        return ImageData(*(t.to(device) for t in self.tensors), self.mean, self.std, self.augment)
+
 
 def random_affine(x: torch.Tensor, turn: float = 0.2, scale: float = 0.1, shift: float = 0.05) -> torch.Tensor:
     """Rotate by up to `turn` radians, scale by up to ±`scale`, shift by up to `shift` of the side, per image.
@@ -32,9 +35,9 @@ def random_affine(x: torch.Tensor, turn: float = 0.2, scale: float = 0.1, shift:
     Uses the global torch RNG, so each rank (seeded seed + rank) draws its own.
     """
     n = x.shape[0]
-    angle = (torch.rand(n) * 2 - 1) * turn
-    zoom = 1 + (torch.rand(n) * 2 - 1) * scale
-    move = (torch.rand(n, 2) * 2 - 1) * shift * 2  # grid coordinates span 2 per image side
+    angle = (torch.rand(n, device=x.device) * 2 - 1) * turn
+    zoom = 1 + (torch.rand(n, device=x.device) * 2 - 1) * scale
+    move = (torch.rand(n, 2, device=x.device) * 2 - 1) * shift * 2  # grid coordinates span 2 per image side
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
     theta = torch.stack([torch.stack([cos, -sin, move[:, 0]], 1), torch.stack([sin, cos, move[:, 1]], 1)], 1)
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)

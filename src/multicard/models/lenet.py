@@ -4,6 +4,8 @@ from torch import nn
 
 
 class LeNet5(nn.Module):
+    input_shape = (1, 28, 28)  # what one sample looks like: synthetic data is made to match
+
     def __init__(self, classes: int = 10, channels: int = 1):
         super().__init__()
         self.features = nn.Sequential(

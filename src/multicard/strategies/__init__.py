@@ -5,11 +5,13 @@ from __future__ import annotations
 from ..devices import Devices
 from ..dist import Job
 from ..errors import UsageError
+from .balanced import Balanced
 from .base import Strategy
 from .ddp import DDP
+from .dp import DP
 from .single import Single
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP}
+STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "dp": DP, "dp-balanced": Balanced}
 
 
 def choose(name: str, devices: Devices, job: Job) -> str:
@@ -21,6 +23,10 @@ def choose(name: str, devices: Devices, job: Job) -> str:
     if name != "ddp" and job.world > 1:
         raise UsageError(f"--strategy {name} runs in one process, but {job.launcher} started {job.world}; "
                          f"use --strategy ddp")
+    if name in ("dp", "dp-balanced") and devices.kind != "cuda":
+        where = "this machine has none" if devices.note else "--devices chose the CPU"
+        raise UsageError(f"--strategy {name} needs CUDA cards, but {where}: use --strategy single, "
+                         f"or ddp with --devices cpu:N")
     if name == "single" and devices.count > 1:
         raise UsageError(f"--strategy single trains on one device, but --devices names {devices.count}; "
                          f"use --strategy ddp, or one device")

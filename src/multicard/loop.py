@@ -1,4 +1,7 @@
-"""fit() and evaluate(): the training loop, written once. It never asks which strategy it runs under."""
+"""fit() and evaluate(): the training loop, written once. It never asks which strategy it runs under.
+
+(This module is loop.py, not train.py, so that `multicard.train` stays the public function.)
+"""
 
 from __future__ import annotations
 
@@ -48,6 +51,9 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
     optimizer.param_groups[0]["lr"] under every strategy).
     """
     model, loss_fn = strategy.setup(model, criterion)
+    if config.compile:
+        model = torch.compile(model)
+    autocast = torch.autocast(strategy.device.type, torch.bfloat16, enabled=config.precision == "bf16")
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step, gamma=config.lr_gamma)
     stats = strategy.wrap_loss(lambda out, y: torch.stack([criterion(out, y).double(), metric(out, y).double()]))
@@ -63,7 +69,8 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
         start = time.perf_counter()
         for inputs, targets in train_loader:
             inputs, targets = to_device(inputs, strategy.device), to_device(targets, strategy.device)
-            loss = loss_fn(model(inputs), targets)
+            with autocast:
+                loss = loss_fn(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -77,7 +84,8 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
         record = {"epoch": epoch + 1, "train_loss": loss_sum / samples, "lr": lr,
                   "samples_per_s": samples / seconds, "seconds": seconds}
         if test_loader is not None:
-            record.update(evaluate(model, stats, test_loader, strategy))
+            with autocast:
+                record.update(evaluate(model, stats, test_loader, strategy))
         if not math.isfinite(record["train_loss"]):
             raise FloatingPointError(f"epoch {epoch + 1}: the training loss is {record['train_loss']}")
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")

@@ -1,0 +1,201 @@
+"""DDP on CPU: gloo over loopback, ports picked free. The same DDP code runs on NCCL with cards."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import multicard
+from conftest import ROOT, run_cli, tiny_images
+from multicard import launch
+from multicard.data.loaders import make_loader, set_epoch
+from multicard.models import LeNet5
+from multicard.parity import check
+
+FAST = dict(quiet=True, augment=False, lr=3e-3, seed=0)
+
+
+class ThreadCheckedLeNet(LeNet5):
+    """Fails loudly if a CPU process runs with more than its share of the cores."""
+
+    def forward(self, x):
+        cores = len(os.sched_getaffinity(0))
+        share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        assert torch.get_num_threads() == share, f"{torch.get_num_threads()} threads, share is {share}"
+        return super().forward(x)
+
+
+class FailsOnRank1(LeNet5):
+    def forward(self, x):
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("boom on rank 1")
+        return super().forward(x)
+
+
+class DropoutNet(LeNet5):
+    def __init__(self):
+        super().__init__()
+        self.classifier.insert(2, torch.nn.Dropout(0.5))
+
+
+def evaluate_alone(path, test) -> float:
+    model = LeNet5()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    model.eval()
+    x, y = test[list(range(len(test)))]
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).double().mean().item()
+
+
+def test_training_deals_one_global_permutation_over_ranks():
+    data = tiny_images(40)
+    one = make_loader(data, 8, train=True, seed=3)
+    two = [make_loader(data, 4, train=True, rank=r, world=2, seed=3) for r in range(2)]
+    for epoch in (0, 1):
+        for loader in (one, *two):
+            set_epoch(loader, epoch)
+        steps_one = [sorted(y.tolist()) for _, y in one]
+        steps_two = [sorted(a.tolist() + b.tolist()) for (_, a), (_, b) in zip(*two, strict=True)]
+        assert steps_one == steps_two  # step k on 2 ranks = step k on one process
+    set_epoch(one, 0)
+    first = [y.tolist() for _, y in one]
+    set_epoch(one, 1)
+    assert first != [y.tolist() for _, y in one]  # set_epoch reshuffles
+
+
+def test_exact_evaluation_shards_count_every_sample_once():
+    shards = [list(make_loader(tiny_images(1000), 64, train=False, rank=r, world=3).sampler.sampler)
+              for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(1000))
+
+
+def test_three_processes_train_and_evaluate_exactly(tmp_path):
+    train, test = tiny_images(96), tiny_images(50, seed=1)  # 50 test samples do not split over 3
+    summary = multicard.train(ThreadCheckedLeNet(), train, test, strategy="ddp", devices="cpu:3",
+                              epochs=3, batch_size=24, out=str(tmp_path), **FAST)
+    assert summary["world_size"] == 3 and summary["strategy"] == "ddp"
+    assert summary["test_samples"] == 50
+    assert len(summary["peak_memory_mb"]) == 3 and summary["devices"] == ["cpu"] * 3
+    assert summary["test_accuracy"] == pytest.approx(evaluate_alone(tmp_path / "model.pt", test), abs=1e-9)
+    assert summary["test_accuracy"] > 0.8
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2, 3]
+
+
+def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailed) as failure:
+        multicard.train(FailsOnRank1(), tiny_images(64), None, strategy="ddp", devices="cpu:2",
+                        epochs=1, batch_size=16, out=str(tmp_path), **FAST)
+    assert failure.value.rank == 1
+    assert "boom on rank 1" in failure.value.trace and "Traceback" in failure.value.trace
+    assert time.monotonic() - start < 60
+    assert multiprocessing.active_children() == []
+
+
+def test_cli_names_the_failing_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys\nimport multicard\nfrom multicard.cli import main\nfrom multicard.models import LeNet5\n"
+        "@multicard.register('boom')\nclass Boom(LeNet5):\n    def forward(self, x):\n"
+        "        if os.environ['RANK'] == '1':\n            raise ValueError('rank one broke')\n"
+        "        return super().forward(x)\n"
+        "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, str(script), "train", "--model", "boom", "--strategy", "ddp",
+                          "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "128", "--epochs", "1",
+                          "--out", str(tmp_path / "run"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "multicard: rank 1 failed" in out.stderr and "ValueError: rank one broke" in out.stderr
+    assert "ChildFailedError" not in out.stderr
+
+
+def test_a_taken_port_does_not_break_the_launch(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port])  # the first pick is a port someone else holds: the launch must pick again
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+        summary = multicard.train(LeNet5(), tiny_images(64), None, strategy="ddp", devices="cpu:2",
+                                  epochs=1, batch_size=16, out=str(tmp_path), **FAST)
+    assert summary["world_size"] == 2
+
+
+def test_parity_one_vs_two_processes():
+    result = check(multicard.TrainConfig(devices="cpu:2", data="synthetic", synthetic_samples=256,
+                                         batch_size=32), steps=6)
+    assert result.ok, result.lines()
+    assert result.processes == 2 and result.max_diff < 1e-5
+
+
+def test_parity_names_dropout_as_the_cause(monkeypatch):
+    monkeypatch.setitem(multicard.MODELS, "dropnet", DropoutNet)
+    result = check(multicard.TrainConfig(model="dropnet", devices="cpu:2", data="synthetic", synthetic_samples=256,
+                                         batch_size=32), steps=6)
+    assert not result.ok
+    assert any("dropout" in line for line in result.lines())
+
+
+def free_port() -> str:
+    return str(launch.free_port())
+
+
+def summary_of(path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+TRAIN = ["train", "--devices", "cpu", "--data", "synthetic", "--synthetic-samples", "128", "--epochs", "1",
+         "--batch-size", "16", "--quiet"]
+
+
+def test_torchrun_single_node(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "multicard", *TRAIN, "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=180, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = summary_of(tmp_path)
+    assert (summary["world_size"], summary["launcher"], summary["strategy"]) == (2, "torchrun", "ddp")
+
+
+def test_torchrun_two_nodes_on_localhost(tmp_path):
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                               "-m", "multicard", *TRAIN, "--out", str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = [node.communicate(timeout=180)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert summary_of(tmp_path)["world_size"] == 2
+
+
+def test_slurm_variables(tmp_path):
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    tasks = [subprocess.Popen([sys.executable, "-m", "multicard", *TRAIN, "--out", str(tmp_path)], cwd=ROOT,
+                              env={**clean, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NTASKS": "2",
+                                   "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "4242", "SLURM_STEP_TASKS_PER_NODE": "2",
+                                   "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [task.communicate(timeout=180)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    summary = summary_of(tmp_path)
+    assert (summary["world_size"], summary["launcher"]) == (2, "slurm")
+
+
+def test_cli_ddp_ignores_a_master_port_someone_holds(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = run_cli("train", "--strategy", "ddp", "--devices", "cpu:2", *TRAIN[3:], "--out", str(tmp_path),
+                      env={"MASTER_PORT": str(taken.getsockname()[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary_of(tmp_path)["world_size"] == 2

@@ -1,0 +1,34 @@
+"""Who am I in a job: read from our spawn, torchrun or SLURM variables (no processes started here)."""
+
+from multicard.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
+
+
+def test_no_launcher():
+    assert job_from_env({}) == Job()
+
+
+def test_torchrun_variables():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert job_from_env(env) == Job(5, 8, 1, 4, "torchrun")
+
+
+def test_slurm_variables():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    assert job_from_env(env) == Job(3, 4, 1, 2, "slurm")
+
+
+def test_slurm_batch_script_without_srun_is_not_a_job():
+    assert not job_from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).launched
+
+
+def test_master_address_from_the_node_list():
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_host("node3,node4") == "node3"
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "123"}
+    assert rendezvous_env(env) == {"MASTER_ADDR": "n1", "MASTER_PORT": str(15000 + 123)}
+    assert rendezvous_env({**env, "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == {}
+
+
+def test_backend_follows_the_device():
+    assert (backend_for("cuda"), backend_for("cpu")) == ("nccl", "gloo")
