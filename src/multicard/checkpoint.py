@@ -15,16 +15,16 @@ PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch
 
 
 def plain_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state_dict of the innermost module, on the CPU, without wrapper prefixes."""
-    while inner := next((getattr(model, a) for a in ("module", "_orig_mod") if hasattr(model, a)), None):
-        model = inner
-    return {strip(k): v.detach().cpu() for k, v in model.state_dict().items()}
+    """The model's state_dict on the CPU, without the prefixes of wrappers around it."""
+    return {k: v.detach().cpu() for k, v in unprefixed(model.state_dict()).items()}
 
 
-def strip(key: str) -> str:
-    while prefix := next((p for p in PREFIXES if key.startswith(p)), None):
-        key = key[len(prefix):]
-    return key
+def unprefixed(state: dict) -> dict:
+    """Drop a wrapper's prefix while EVERY key has it: a wrapper holds nothing of its own, whereas a model
+    with a child that happens to be called `module` keeps its other keys, and so its names."""
+    while state and (prefix := next((p for p in PREFIXES if all(k.startswith(p) for k in state)), None)):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
 
 
 def save(model: nn.Module, path: str | Path) -> Path:
@@ -53,7 +53,7 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch state_dict ({type(e).__name__})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UsageError(f"checkpoint {path}: holds no state_dict of tensors")
-    state = {strip(k): v for k, v in state.items()}
+    state = unprefixed(state)
     own = model.state_dict()
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     wrong = [k for k in own if k in state and own[k].shape != state[k].shape]  # in model order: one message

@@ -51,8 +51,7 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
     optimizer.param_groups[0]["lr"] under every strategy).
     """
     model, loss_fn = strategy.setup(model, criterion)
-    if config.compile:
-        model = torch.compile(model)
+    forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
     autocast = torch.autocast(strategy.device.type, torch.bfloat16, enabled=config.precision == "bf16")
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step, gamma=config.lr_gamma)
@@ -70,7 +69,7 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
         for inputs, targets in train_loader:
             inputs, targets = to_device(inputs, strategy.device), to_device(targets, strategy.device)
             with autocast:
-                loss = loss_fn(model(inputs), targets)
+                loss = loss_fn(forward(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -85,7 +84,7 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
                   "samples_per_s": samples / seconds, "seconds": seconds}
         if test_loader is not None:
             with autocast:
-                record.update(evaluate(model, stats, test_loader, strategy))
+                record.update(evaluate(forward, stats, test_loader, strategy))
         if not math.isfinite(record["train_loss"]):
             raise FloatingPointError(f"epoch {epoch + 1}: the training loss is {record['train_loss']}")
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")

@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .data.loaders import make_loader
 from .devices import select
 from .dist import job_from_env
+from .errors import UsageError
 from .loop import accuracy, fit
 
 
@@ -35,6 +36,8 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     this under `if __name__ == "__main__":` and keep model, data and criterion picklable. Returns the summary.
     """
     config = replace(config or TrainConfig(), **overrides)
+    if Path(config.out).exists() and not Path(config.out).is_dir():
+        raise UsageError(f"--out {config.out}: is a file; name a folder (it is created if missing)")
     job = job_from_env()
     devices = select(config.devices)
     strategy = strategies.create(config.strategy, devices, job, config.find_unused_parameters)

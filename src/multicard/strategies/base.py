@@ -59,8 +59,9 @@ class Strategy:
             raise UsageError(f"--batch-size {global_batch}: must be at least 1")
         if global_batch % self.world:
             lo, hi = global_batch // self.world * self.world, -(-global_batch // self.world) * self.world
+            examples = f"{lo} or {hi}" if lo else f"{hi}"
             raise UsageError(f"--batch-size {global_batch} does not split over {self.world} processes; "
-                             f"use a multiple of {self.world} (e.g. {lo or hi} or {hi})")
+                             f"use a multiple of {self.world} (e.g. {examples})")
         return global_batch // self.world
 
     # -- in the process that trains --------------------------------------------------------------------

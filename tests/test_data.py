@@ -1,0 +1,468 @@
+"""Data: IDX validation on small generated files, the embedded mnist-5k split, ImageData, synthetic data, and the
+checksummed download (served from memory: no test touches the network)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.client
+import io
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from multicard import data
+from multicard.data import idx, mnist5k, synthetic
+from multicard.data.images import ImageData
+from multicard.errors import UsageError
+
+TRAIN_IMAGES, TRAIN_LABELS = idx.SPLITS["train"]
+TEST_IMAGES, TEST_LABELS = idx.SPLITS["test"]
+FILES = (TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Any real download attempt fails the test loudly."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a test tried to reach the network: {args}")
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+
+
+# -- writing IDX files -------------------------------------------------------------------------------------
+
+def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
+    """The IDX encoding of a uint8 array: magic (0x0801 + dims), one big-endian uint32 per dimension, data."""
+    magic = (0x0800 + array.ndim) if magic is None else magic
+    head = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return head + array.astype(np.uint8).tobytes()
+
+
+def write(path: Path, raw: bytes, gz: bool = False) -> Path:
+    path = path.with_name(path.name + ".gz") if gz else path
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    return path
+
+
+def write_mnist(folder: Path, n_train: int = 20, n_test: int = 10, gz: bool = False, seed: int = 0) -> dict:
+    """The four standard MNIST files with n_train / n_test random images and labels; returns the arrays."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for (images_name, labels_name), n in ((idx.SPLITS["train"], n_train), (idx.SPLITS["test"], n_test)):
+        arrays[images_name] = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        arrays[labels_name] = (np.arange(n) % 10).astype(np.uint8)[rng.permutation(n)]
+    for name, array in arrays.items():
+        write(folder / name, idx_bytes(array), gz)
+    return arrays
+
+
+def path_of(folder: Path, stem: str) -> Path:
+    found = idx.find(folder, stem)
+    assert found is not None
+    return found
+
+
+def load_error(folder: Path) -> str:
+    with pytest.raises(UsageError) as e:
+        idx.load("mnist", str(folder), download=False)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+# -- good files ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_good_files_load(tmp_path, gz):
+    arrays = write_mnist(tmp_path, 20, 10, gz=gz)
+    train, test = idx.load("mnist", str(tmp_path), download=False)
+    assert isinstance(train, ImageData) and isinstance(test, ImageData)
+    assert len(train) == 20 and len(test) == 10
+    for split, images_name, labels_name in ((train, TRAIN_IMAGES, TRAIN_LABELS), (test, TEST_IMAGES, TEST_LABELS)):
+        images, labels = split.tensors
+        assert images.dtype == torch.uint8 and images.shape == (len(split), 1, 28, 28)
+        assert labels.dtype == torch.int64 and labels.shape == (len(split),)
+        assert torch.equal(images[:, 0], torch.from_numpy(arrays[images_name]))
+        assert torch.equal(labels, torch.from_numpy(arrays[labels_name].astype(np.int64)))
+    assert (train.mean, train.std) == (0.1307, 0.3081)
+    assert not train.augment and not test.augment
+
+
+def test_data_load_by_name_uses_each_datasets_normalization(tmp_path):
+    write_mnist(tmp_path, 10, 10)
+    mnist_train, _ = data.load("mnist", str(tmp_path))
+    fashion_train, fashion_test = data.load("fashion-mnist", str(tmp_path), augment=True)
+    assert (fashion_train.mean, fashion_train.std) == (0.2860, 0.3530)
+    assert fashion_train.augment and not fashion_test.augment  # augmentation is for training only
+    assert torch.equal(mnist_train.tensors[0], fashion_train.tensors[0])
+
+
+def test_mixed_plain_and_gz_files_load(tmp_path):
+    arrays = write_mnist(tmp_path, 12, 10, gz=True)
+    (tmp_path / (TRAIN_LABELS + ".gz")).unlink()
+    write(tmp_path / TRAIN_LABELS, idx_bytes(arrays[TRAIN_LABELS]))
+    train, _ = idx.load("mnist", str(tmp_path), download=False)
+    assert torch.equal(train.tensors[1], torch.from_numpy(arrays[TRAIN_LABELS].astype(np.int64)))
+
+
+def test_zero_images_is_not_an_error(tmp_path):
+    write_mnist(tmp_path, 0, 10)
+    train, test = idx.load("mnist", str(tmp_path), download=False)
+    assert len(train) == 0 and len(test) == 10
+
+
+# -- bad files: one line, naming the file ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("stem", FILES)
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_bad_magic(tmp_path, stem, gz):
+    arrays = write_mnist(tmp_path, gz=gz)
+    wrong = idx.LABELS_MAGIC if "images" in stem else idx.IMAGES_MAGIC
+    write(tmp_path / stem, idx_bytes(arrays[stem], magic=wrong), gz)
+    message = load_error(tmp_path)
+    assert str(path_of(tmp_path, stem)) in message
+    assert "magic" in message and str(wrong) in message
+
+
+@pytest.mark.parametrize("stem", FILES)
+def test_truncated_file(tmp_path, stem):
+    arrays = write_mnist(tmp_path)
+    raw = idx_bytes(arrays[stem])
+    write(tmp_path / stem, raw[:-5])
+    message = load_error(tmp_path)
+    assert str(tmp_path / stem) in message
+    assert f"size {len(raw) - 5} bytes" in message and f"needs exactly {len(raw)}" in message
+
+
+@pytest.mark.parametrize("stem", FILES)
+def test_shorter_than_header(tmp_path, stem):
+    write_mnist(tmp_path)
+    write(tmp_path / stem, b"\x00\x00\x08")
+    message = load_error(tmp_path)
+    assert str(tmp_path / stem) in message and "truncated" in message
+
+
+@pytest.mark.parametrize("stem", FILES)
+def test_extra_bytes(tmp_path, stem):
+    arrays = write_mnist(tmp_path, gz=True)
+    raw = idx_bytes(arrays[stem]) + b"\x00\x01\x02"
+    write(tmp_path / stem, raw, gz=True)
+    message = load_error(tmp_path)
+    assert str(tmp_path / (stem + ".gz")) in message
+    assert f"size {len(raw)} bytes" in message
+
+
+def test_header_too_big_to_fit_in_int64_is_reported_exactly(tmp_path):
+    write_mnist(tmp_path)
+    huge = 2**32 - 1
+    write(tmp_path / TRAIN_IMAGES, idx.IMAGES_MAGIC.to_bytes(4, "big") + huge.to_bytes(4, "big") * 3 + b"x")
+    message = load_error(tmp_path)
+    assert str(tmp_path / TRAIN_IMAGES) in message and f"needs exactly {16 + huge**3}" in message
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_count_mismatch(tmp_path, split):
+    images_name, labels_name = idx.SPLITS[split]
+    arrays = write_mnist(tmp_path, 20, 10)
+    write(tmp_path / labels_name, idx_bytes(arrays[labels_name][:-1]))
+    message = load_error(tmp_path)
+    n = len(arrays[images_name])
+    assert str(tmp_path / labels_name) in message and str(tmp_path / images_name) in message
+    assert f"{n - 1} labels for {n} images" in message
+
+
+@pytest.mark.parametrize("stem", [TRAIN_LABELS, TEST_LABELS])
+def test_label_out_of_range(tmp_path, stem):
+    arrays = write_mnist(tmp_path)
+    labels = arrays[stem].copy()
+    labels[3] = 10
+    write(tmp_path / stem, idx_bytes(labels))
+    message = load_error(tmp_path)
+    assert str(tmp_path / stem) in message and "label 10" in message
+
+
+def test_images_not_28x28(tmp_path):
+    write_mnist(tmp_path)
+    write(tmp_path / TEST_IMAGES, idx_bytes(np.zeros((10, 32, 32), np.uint8)))
+    message = load_error(tmp_path)
+    assert str(tmp_path / TEST_IMAGES) in message and "32x32" in message
+
+
+@pytest.mark.parametrize("damage", ["cut", "flipped", "header"])
+def test_damaged_gzip(tmp_path, damage):
+    arrays = write_mnist(tmp_path, gz=True)
+    packed = gzip.compress(idx_bytes(arrays[TRAIN_IMAGES]))
+    if damage == "cut":
+        packed = packed[: len(packed) // 2]
+    elif damage == "flipped":  # a broken deflate stream (zlib.error, not an OSError)
+        packed = packed[:10] + bytes(b ^ 0xFF for b in packed[10:-8]) + packed[-8:]
+    else:
+        packed = packed[:2] + b"\x00" * 8 + packed[10:]
+    (tmp_path / (TRAIN_IMAGES + ".gz")).write_bytes(packed)
+    message = load_error(tmp_path)
+    assert str(tmp_path / (TRAIN_IMAGES + ".gz")) in message
+
+
+# -- missing files ---------------------------------------------------------------------------------------------
+
+def test_missing_files_without_download(tmp_path):
+    message = load_error(tmp_path)
+    assert all(stem in message for stem in FILES)
+    assert str(tmp_path) in message and "--download" in message
+
+
+def test_one_missing_file_is_named_alone(tmp_path):
+    write_mnist(tmp_path, gz=True)
+    (tmp_path / (TEST_LABELS + ".gz")).unlink()
+    message = load_error(tmp_path)
+    assert TEST_LABELS in message and "--download" in message and str(tmp_path) in message
+    assert all(stem not in message for stem in FILES if stem != TEST_LABELS)
+
+
+def test_data_dir_that_does_not_exist(tmp_path):
+    with pytest.raises(UsageError, match="no such folder"):
+        idx.load("mnist", str(tmp_path / "nowhere"), download=False)
+
+
+def test_missing_files_in_cache_without_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MULTICARD_CACHE", str(tmp_path))
+    with pytest.raises(UsageError) as e:
+        data.load("fashion-mnist")
+    assert str(tmp_path / "multicard" / "fashion-mnist") in str(e.value) and "--download" in str(e.value)
+
+
+def test_unknown_dataset_name():
+    with pytest.raises(UsageError, match="--data nope: unknown; choose one of mnist-5k"):
+        data.load("nope")
+
+
+# -- download, served from memory ------------------------------------------------------------------------------
+
+class Server:
+    """Stands in for urllib.request.urlopen: serves bytes by URL, fails for anything else, records calls."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files, self.calls = files, []
+
+    def __call__(self, url, timeout=None):
+        self.calls.append(url)
+        if url not in self.files:
+            raise urllib.error.URLError(f"no route to {url}")
+        return io.BytesIO(self.files[url])
+
+
+def gz_files(n_train: int = 20, n_test: int = 10) -> dict[str, bytes]:
+    rng = np.random.default_rng(1)
+    arrays = {TRAIN_IMAGES: rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+              TRAIN_LABELS: (np.arange(n_train) % 10).astype(np.uint8),
+              TEST_IMAGES: rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+              TEST_LABELS: (np.arange(n_test) % 10).astype(np.uint8)}
+    return {stem: gzip.compress(idx_bytes(a), mtime=0) for stem, a in arrays.items()}
+
+
+def md5(raw: bytes) -> str:
+    return hashlib.md5(raw).hexdigest()
+
+
+def test_fetch_keeps_files_whose_md5_matches(tmp_path, monkeypatch):
+    packed = gz_files()
+    server = Server({"https://mirror.test/" + stem + ".gz": raw for stem, raw in packed.items()})
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    folder = tmp_path / "cache"
+    idx.fetch(folder, ("https://mirror.test/",), {stem: md5(raw) for stem, raw in packed.items()})
+    assert sorted(p.name for p in folder.iterdir()) == sorted(stem + ".gz" for stem in FILES)
+    for stem, raw in packed.items():
+        assert (folder / (stem + ".gz")).read_bytes() == raw
+    train, test = idx.load("mnist", str(folder), download=False)
+    assert len(train) == 20 and len(test) == 10
+
+
+def test_fetch_rejects_a_wrong_md5_and_leaves_nothing(tmp_path, monkeypatch):
+    packed = gz_files()
+    server = Server({"https://mirror.test/" + stem + ".gz": raw for stem, raw in packed.items()})
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    md5s = {stem: md5(raw) for stem, raw in packed.items()}
+    md5s[TRAIN_IMAGES] = "0" * 32
+    with pytest.raises(UsageError) as e:
+        idx.fetch(tmp_path, ("https://mirror.test/",), md5s)
+    message = str(e.value)
+    assert TRAIN_IMAGES + ".gz" in message and "md5" in message and md5(packed[TRAIN_IMAGES]) in message
+    assert not (tmp_path / (TRAIN_IMAGES + ".gz")).exists()
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_fetch_tries_the_next_mirror(tmp_path, monkeypatch):
+    packed = gz_files()
+    files = {"https://good.test/" + stem + ".gz": raw for stem, raw in packed.items()}
+    files["https://bad.test/" + TRAIN_LABELS + ".gz"] = b"not the file"  # wrong md5 on the first mirror
+    server = Server(files)
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    idx.fetch(tmp_path, ("https://bad.test/", "https://good.test/"), {s: md5(r) for s, r in packed.items()})
+    assert all((tmp_path / (stem + ".gz")).read_bytes() == packed[stem] for stem in FILES)
+    assert "https://bad.test/" + TRAIN_LABELS + ".gz" in server.calls
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_fetch_all_mirrors_down(tmp_path, monkeypatch):
+    monkeypatch.setattr(urllib.request, "urlopen", Server({}))
+    with pytest.raises(UsageError, match="download of train-images-idx3-ubyte.gz failed: https://a.test/"):
+        idx.fetch(tmp_path, ("https://a.test/",), {stem: "0" * 32 for stem in FILES})
+    assert list(tmp_path.iterdir()) == []
+
+
+class CutOff(io.BytesIO):
+    """A response whose connection breaks after the first chunk: `error` is raised by the second read."""
+
+    def __init__(self, raw: bytes, error: BaseException):
+        super().__init__(raw)
+        self.error, self.reads = error, 0
+
+    def read(self, n=-1):
+        self.reads += 1
+        if self.reads > 1:
+            raise self.error
+        return super().read(min(n, 100) if n and n > 0 else 100)
+
+
+@pytest.mark.parametrize("error", [http.client.IncompleteRead(b"abc", 100), ConnectionResetError("reset by peer")],
+                         ids=["IncompleteRead", "ConnectionReset"])
+def test_fetch_after_a_cut_connection_tries_the_next_mirror(tmp_path, monkeypatch, error):
+    packed = gz_files()
+    good = Server({"https://good.test/" + stem + ".gz": raw for stem, raw in packed.items()})
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout=None: CutOff(packed[TRAIN_IMAGES], error)
+                        if url.startswith("https://cut.test/") else good(url, timeout))
+    idx.fetch(tmp_path, ("https://cut.test/", "https://good.test/"), {s: md5(r) for s, r in packed.items()})
+    assert all((tmp_path / (stem + ".gz")).read_bytes() == packed[stem] for stem in FILES)
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_fetch_cut_everywhere_is_one_error_and_no_part_file(tmp_path, monkeypatch):
+    packed = gz_files()
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda url, timeout=None: CutOff(packed[TRAIN_IMAGES], http.client.IncompleteRead(b"", 9)))
+    with pytest.raises(UsageError, match="download of train-images-idx3-ubyte.gz failed: https://cut.test/"):
+        idx.fetch(tmp_path, ("https://cut.test/",), {s: md5(r) for s, r in packed.items()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_interrupted_leaves_no_part_file(tmp_path, monkeypatch):
+    packed = gz_files()
+    monkeypatch.setattr(urllib.request, "urlopen",
+                        lambda url, timeout=None: CutOff(packed[TRAIN_IMAGES], KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        idx.fetch(tmp_path, ("https://slow.test/",), {s: md5(r) for s, r in packed.items()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fetch_downloads_only_missing_files(tmp_path, monkeypatch):
+    packed = gz_files()
+    for stem in (TRAIN_IMAGES, TRAIN_LABELS):
+        (tmp_path / (stem + ".gz")).write_bytes(packed[stem])
+    server = Server({"https://m.test/" + stem + ".gz": raw for stem, raw in packed.items()})
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    idx.fetch(tmp_path, ("https://m.test/",), {s: md5(r) for s, r in packed.items()})
+    assert sorted(server.calls) == sorted("https://m.test/" + s + ".gz" for s in (TEST_IMAGES, TEST_LABELS))
+
+
+def test_load_with_download_fills_the_cache(tmp_path, monkeypatch):
+    packed = gz_files(30, 10)
+    mirrors, _, mean, std = idx.SOURCES["mnist"]
+    monkeypatch.setitem(idx.SOURCES, "mnist", (mirrors, {s: md5(r) for s, r in packed.items()}, mean, std))
+    server = Server({mirrors[0] + stem + ".gz": raw for stem, raw in packed.items()})
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    monkeypatch.setenv("MULTICARD_CACHE", str(tmp_path))
+    train, test = data.load("mnist", download=True)
+    assert len(train) == 30 and len(test) == 10
+    assert len(server.calls) == 4
+    train, _ = data.load("mnist", download=True)  # now cached: nothing fetched again
+    assert len(server.calls) == 4 and len(train) == 30
+
+
+# -- mnist-5k --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mnist_5k():
+    return mnist5k.load(), mnist5k.load()
+
+
+def test_mnist_5k_split(mnist_5k):
+    (train, test), _ = mnist_5k
+    assert len(train) == 4000 and len(test) == 1000
+    assert train.tensors[0].shape == (4000, 1, 28, 28) and train.tensors[0].dtype == torch.uint8
+    assert torch.bincount(train.tensors[1], minlength=10).tolist() == [400] * 10
+    assert torch.bincount(test.tensors[1], minlength=10).tolist() == [100] * 10
+
+
+def test_mnist_5k_is_the_same_on_every_load(mnist_5k):
+    (train_a, test_a), (train_b, test_b) = mnist_5k
+    for a, b in ((train_a, train_b), (test_a, test_b)):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, b.tensors, strict=True))
+
+
+def test_mnist_5k_train_and_test_are_disjoint(mnist_5k):
+    (train, test), _ = mnist_5k
+    rows = {bytes(x.numpy()) for x in train.tensors[0].flatten(1)}
+    assert not any(bytes(x.numpy()) in rows for x in test.tensors[0].flatten(1))
+
+
+def test_stratified_split_indices():
+    labels = np.repeat(np.arange(3), [7, 5, 6])
+    train, test = mnist5k.stratified_split(labels, test_per_class=2)
+    assert len(set(train) | set(test)) == len(labels) and not set(train) & set(test)
+    assert np.bincount(labels[test]).tolist() == [2, 2, 2]
+
+
+# -- ImageData and synthetic data ------------------------------------------------------------------------------
+
+def small_images(n: int = 8, augment: bool = False) -> ImageData:
+    g = torch.Generator().manual_seed(3)
+    images = torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
+    return ImageData(images, torch.arange(n) % 10, 0.5, 0.25, augment)
+
+
+def test_image_data_returns_a_normalized_float_batch():
+    d = small_images()
+    x, y = d[[0, 2, 5]]
+    assert x.dtype == torch.float32 and x.shape == (3, 1, 28, 28)
+    expected = (d.tensors[0][[0, 2, 5]].float() / 255 - 0.5) / 0.25
+    assert torch.allclose(x, expected)
+    assert y.tolist() == [0, 2, 5]
+    assert d.tensors[0].dtype == torch.uint8  # stored images untouched by normalization
+
+
+def test_augmentation_changes_images_but_keeps_shape():
+    plain, augmented = small_images(), small_images(augment=True)
+    torch.manual_seed(0)
+    x_plain, y_plain = plain[list(range(8))]
+    x_aug, y_aug = augmented[list(range(8))]
+    assert x_aug.shape == x_plain.shape and x_aug.dtype == torch.float32
+    assert torch.equal(y_aug, y_plain)
+    assert not torch.allclose(x_aug, x_plain, atol=1e-3)
+    assert all(not torch.allclose(a, b, atol=1e-3) for a, b in zip(x_aug, x_plain, strict=True))
+    assert torch.allclose(augmented.with_augment(False)[[1, 4]][0], x_plain[[1, 4]])
+
+
+def test_synthetic_sizes_and_repeatability():
+    train, test = synthetic.load(100, test_samples=30, seed=5)
+    assert len(train) == 100 and len(test) == 30
+    assert train.tensors[0].shape == (100, 1, 28, 28) and int(train.tensors[1].max()) <= 9
+    again, _ = synthetic.load(100, test_samples=30, seed=5)
+    other, _ = synthetic.load(100, test_samples=30, seed=6)
+    assert torch.equal(train.tensors[0], again.tensors[0])
+    assert not torch.equal(train.tensors[0], other.tensors[0])
+    shaped, _ = synthetic.load(4, shape=(3, 8, 8), classes=2, test_samples=2)
+    assert shaped.tensors[0].shape == (4, 3, 8, 8) and set(shaped.tensors[1].tolist()) <= {0, 1}
+
+
+def test_synthetic_by_name_and_bad_size():
+    train, test = data.load("synthetic", synthetic_samples=64)
+    assert len(train) == 64 and len(test) == 1024
+    with pytest.raises(UsageError, match="--synthetic-samples 0"):
+        data.load("synthetic", synthetic_samples=0)

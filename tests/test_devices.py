@@ -1,0 +1,174 @@
+"""--devices parsing (pure: a card count is passed in), strategy choice, and the global batch split."""
+
+from __future__ import annotations
+
+import pytest
+
+from multicard import strategies
+from multicard.devices import Devices, parse
+from multicard.dist import Job
+from multicard.errors import UsageError
+
+
+@pytest.mark.parametrize("text, cards, kind, ids", [
+    ("auto", 2, "cuda", (0, 1)),
+    ("auto", 1, "cuda", (0,)),
+    ("cpu", 0, "cpu", (0,)),
+    ("cpu", 2, "cpu", (0,)),
+    ("cpu:1", 0, "cpu", (0,)),
+    ("cpu:3", 0, "cpu", (0, 1, 2)),
+    ("cpu:3", 2, "cpu", (0, 1, 2)),
+    ("2", 2, "cuda", (0, 1)),
+    ("1", 4, "cuda", (0,)),
+    ("0,1", 2, "cuda", (0, 1)),
+    ("1,0", 2, "cuda", (1, 0)),
+    ("2,3", 4, "cuda", (2, 3)),
+    ("cuda:1", 2, "cuda", (1,)),
+    ("cuda:0", 1, "cuda", (0,)),
+    ("cuda:0,2", 4, "cuda", (0, 2)),
+    ("1,", 2, "cuda", (1,)),
+    ("0,", 1, "cuda", (0,)),
+    ("cuda", 2, "cuda", (0, 1)),
+    (" CPU:2 ", 0, "cpu", (0, 1)),
+    ("Cuda:1", 2, "cuda", (1,)),
+    ("0, 1", 2, "cuda", (0, 1)),
+])
+def test_parse_forms(text, cards, kind, ids):
+    devices = parse(text, cards)
+    assert (devices.kind, devices.ids) == (kind, ids)
+    assert devices.count == len(ids)
+    assert devices.note == ""
+
+
+def test_auto_without_cards_is_the_cpu_and_says_so():
+    devices = parse("auto", 0)
+    assert (devices.kind, devices.ids) == ("cpu", (0,))
+    assert "no CUDA card" in devices.note
+    assert devices.names() == ["cpu"]
+    assert parse("cpu:2", 0).names() == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("text", ["cpu:0", "cpu:-1", "cpu:-3"])
+def test_cpu_needs_one_process_at_least(text):
+    with pytest.raises(UsageError, match=f"--devices {text}: the number of CPU processes must be at least 1"):
+        parse(text, 2)
+
+
+@pytest.mark.parametrize("text", ["0,1", "0", "1", "2", "cuda", "cuda:0", "cuda:1", "1,", "0,0", "-1"])
+def test_any_card_form_without_cards_says_there_is_no_card(text):
+    with pytest.raises(UsageError) as e:
+        parse(text, 0)
+    message = str(e.value)
+    assert message.startswith(f"--devices {text}:") and "no CUDA card" in message
+    assert "--devices cpu" in message
+
+
+@pytest.mark.parametrize("text, cards, words", [
+    ("0,-1", 2, "no card with id -1"),
+    ("cuda:-1", 2, "no card with id -1"),
+    ("-1,0", 2, "no card with id -1"),
+    ("-1", 2, "asks for -1 cards"),
+    ("0,0", 2, "named twice"),
+    ("1,0,1", 2, "named twice"),
+    ("cuda:1,1", 2, "named twice"),
+    ("0,2", 2, "no card with id 2 (this machine has ids 0..1)"),
+    ("cuda:1", 1, "no card with id 1 (this machine has ids 0..0)"),
+    ("7", 4, "asks for 7 cards, this machine has 4 (use 1..4)"),
+    ("3", 2, "asks for 3 cards"),
+    ("0", 2, "asks for 0 cards"),
+])
+def test_bad_card_choices(text, cards, words):
+    with pytest.raises(UsageError) as e:
+        parse(text, cards)
+    assert str(e.value).startswith(f"--devices {text}:") and words in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["banana", "", "gpu", "gpu:0", "cpu:", "cpu:x", "cpu:2:3", "0,,1", ",0", "cuda:",
+                                  "cuda:a", "cuda1", "1.5", "0;1", "cpu,cuda", "auto:2", "mps"])
+def test_garbage_is_not_understood(text):
+    with pytest.raises(UsageError, match="not understood; use auto, cpu, cpu:N"):
+        parse(text, 2)
+
+
+# -- strategies.choose ----------------------------------------------------------------------------------------
+
+CPU1, CPU2 = Devices("cpu", (0,)), Devices("cpu", (0, 1))
+
+
+@pytest.mark.parametrize("devices, expected", [
+    (CPU1, "single"),
+    (CPU2, "ddp"),
+    (Devices("cuda", (0,)), "single"),
+    (Devices("cuda", (1,)), "single"),
+    (Devices("cuda", (0, 1)), "ddp"),
+])
+def test_auto_strategy(devices, expected):
+    assert strategies.choose("auto", devices, Job()) == expected
+
+
+def test_auto_in_a_launched_job_is_ddp():
+    assert strategies.choose("auto", CPU1, Job(rank=1, world=2, launcher="torchrun")) == "ddp"
+
+
+def test_explicit_strategies():
+    assert strategies.choose("single", CPU1, Job()) == "single"
+    assert strategies.choose("ddp", CPU2, Job()) == "ddp"
+    assert strategies.choose("ddp", CPU1, Job()) == "ddp"  # one process of ddp is allowed
+
+
+def test_single_with_two_devices_is_an_error():
+    with pytest.raises(UsageError, match="--strategy single trains on one device, but --devices names 2"):
+        strategies.choose("single", CPU2, Job())
+
+
+def test_single_in_a_launched_job_is_an_error():
+    with pytest.raises(UsageError, match="torchrun started 2; use --strategy ddp"):
+        strategies.choose("single", CPU1, Job(rank=0, world=2, launcher="torchrun"))
+
+
+@pytest.mark.parametrize("name", ["nope", "DDP", "", "fsdp"])
+def test_unknown_strategy(name):
+    with pytest.raises(UsageError, match=f"--strategy {name}: unknown; choose auto or one of single"):
+        strategies.choose(name, CPU1, Job())
+
+
+def test_create_gives_the_chosen_class():
+    assert strategies.create("auto", CPU1, Job()).name == "single"
+    ddp = strategies.create("auto", Devices("cpu", (0, 1, 2)), Job())
+    assert ddp.name == "ddp" and ddp.processes == 3 and ddp.world == 3
+
+
+# -- the global batch over processes --------------------------------------------------------------------------
+
+def three_processes() -> strategies.Strategy:
+    return strategies.create("ddp", Devices("cpu", (0, 1, 2)), Job())
+
+
+def test_local_batch_splits_the_global_batch():
+    assert three_processes().local_batch(96) == 32
+    assert three_processes().local_batch(3) == 1
+    assert strategies.create("single", CPU1, Job()).local_batch(7) == 7
+
+
+@pytest.mark.parametrize("batch, suggestion", [(64, "e.g. 63 or 66"), (100, "e.g. 99 or 102"), (4, "e.g. 3 or 6")])
+def test_local_batch_not_divisible(batch, suggestion):
+    with pytest.raises(UsageError) as e:
+        three_processes().local_batch(batch)
+    message = str(e.value)
+    assert message.startswith(f"--batch-size {batch} does not split over 3 processes")
+    assert "use a multiple of 3" in message and suggestion in message
+
+
+def test_local_batch_in_a_launched_job_uses_the_job_size():
+    launched = strategies.create("ddp", CPU1, Job(rank=1, world=4, launcher="torchrun"))
+    assert launched.processes == 1 and launched.world == 4
+    assert launched.local_batch(64) == 16
+    with pytest.raises(UsageError, match="over 4 processes"):
+        launched.local_batch(66)
+
+
+@pytest.mark.parametrize("batch", [0, -4])
+def test_local_batch_must_be_positive(batch):
+    for strategy in (three_processes(), strategies.create("single", CPU1, Job())):
+        with pytest.raises(UsageError, match=f"--batch-size {batch}: must be at least 1"):
+            strategy.local_batch(batch)
