@@ -65,15 +65,16 @@ def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset,
                       device=strategy.device if config.device_data else None)
         train_loader = make_loader(train_data, strategy.local_batch(config.batch_size), train=True,
                                    seed=config.seed, **common)
-        test_loader = test_data and make_loader(test_data, max(1, config.eval_batch_size // strategy.world),
-                                                train=False, **common)
+        eval_batch = max(1, config.eval_batch_size // strategy.world)
+        test_loader = None if test_data is None else make_loader(test_data, eval_batch, train=False, **common)
         memory.reset(strategy.cards)
         out = Path(config.out)
         report = Report(out, config, strategy.is_main)
         if strategy.is_main:
+            note = f" ({strategy.devices.note})" if strategy.devices.note else ""
             say(f"training {type(model).__name__} on {len(train_data)} samples: strategy {strategy.name}, "
-                f"{strategy.world} process(es), devices {strategy.devices.kind} x{strategy.devices.count}, "
-                f"global batch {config.batch_size}" + (f" ({strategy.devices.note})" if strategy.devices.note else ""))
+                f"{strategy.world} process(es) on {strategy.devices.kind}, global batch {config.batch_size} "
+                f"({strategy.local_batch(config.batch_size)} per process){note}")
         model, history = fit(model, criterion, train_loader, test_loader, strategy, config, metric, report.epoch)
         names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in strategy.cards] or ["cpu"]
         summary = {
@@ -90,6 +91,7 @@ def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset,
         }
         if strategy.is_main:
             report.finish(summary, model)
+        strategy.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
         return summary
     finally:
         strategy.stop()

@@ -11,8 +11,9 @@ from torch import nn
 
 from ..errors import UsageError
 from .lenet import LeNet5
+from .resnet import ResNet8
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"lenet5": LeNet5}
+MODELS: dict[str, Callable[[], nn.Module]] = {"lenet5": LeNet5, "resnet8": ResNet8}
 
 
 def register(name: str):
@@ -29,4 +30,4 @@ def build(name: str) -> nn.Module:
     return MODELS[name]()
 
 
-__all__ = ["MODELS", "LeNet5", "build", "register"]
+__all__ = ["MODELS", "LeNet5", "ResNet8", "build", "register"]

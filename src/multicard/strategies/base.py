@@ -92,6 +92,9 @@ class Strategy:
         """Concatenate each process's list, in rank order."""
         return values
 
+    def barrier(self) -> None:
+        """Wait here for every process (one process: nothing to wait for)."""
+
     def synchronize(self) -> None:
         for card in self.cards:
             torch.cuda.synchronize(card)

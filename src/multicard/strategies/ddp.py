@@ -55,5 +55,8 @@ class DDP(Strategy):
         torch_dist.all_gather_object(parts, values)
         return [v for part in parts for v in part]
 
+    def barrier(self) -> None:
+        torch_dist.barrier(device_ids=self.cards or None)
+
     def stop(self) -> None:
         dist.teardown()

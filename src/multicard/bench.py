@@ -1,0 +1,263 @@
+"""multicard bench: the strategies side by side on synthetic data, against the seeds' plain loop, in one run.
+
+Every cell (a strategy on N devices, the seeds' loop, the fast path) runs in a fresh process, so that one cell's
+memory never shows in another's (on the CPU, peak memory is a process's peak RSS). Each trains 1 warm-up epoch
+plus --repeats timed epochs, with the clock read after synchronizing the cards; the median epoch is reported.
+The report (table, bench.json, bench.md, bench.png) is written by bench_report.py.
+
+No torch at module level: the CLI imports this module to build its flags, and `multicard --help` must be fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from .errors import UsageError
+
+SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
+ON_CARDS = ("single", "dp", "dp-balanced", "ddp")
+ON_CPU = ("single", "ddp")
+# synthetic samples per epoch, sized for an epoch of about a second (CPU: 2 cores; cards: one H100)
+SAMPLES = {("lenet5", "cpu"): 4096, ("resnet8", "cpu"): 512, ("lenet5", "cuda"): 262144, ("resnet8", "cuda"): 65536}
+OTHER_SAMPLES = {"cpu": 1024, "cuda": 65536}
+BATCH = {"cpu": 64, "cuda": 512}  # global batch of the strategy cells: on cards 64 would leave them idle
+FAST_BATCH = {"cpu": 1024, "cuda": 16384}  # the fast path: big batches cut from data held on the device
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, bench.png and cells/ "
+                   "(default: runs/bench)")
+    p.add_argument("--model", default="lenet5", help="model from the registry, e.g. lenet5 or resnet8 "
+                   "(default: lenet5); data is synthetic, shaped as the model's input_shape")
+    p.add_argument("--strategies", help="comma list (default: what this machine can run: single,ddp on the CPU; "
+                   "single,dp,dp-balanced,ddp with cards)")
+    p.add_argument("--devices", help="comma list of device counts (default: 1..cards; on the CPU 1..min(2, cores) "
+                   "processes)")
+    p.add_argument("--samples", type=int, help="synthetic training samples per epoch (default: about a second "
+                   "of work per epoch for the model on this machine)")
+    p.add_argument("--batch-size", type=int, help="global batch of the strategy cells (default: 64 on the CPU, "
+                   "512 on cards; the seeds' loop always uses 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed epochs after one warm-up epoch; the median is "
+                   "reported (default: 3)")
+    p.add_argument("--fast-batch", type=int, help="batch of the fast-path cell (default: 1024 on the CPU, "
+                   "16384 on a card)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="fast-path cell: fp32 or bf16 "
+                   "autocast (default: fp32)")
+    p.add_argument("--compile", action="store_true", help="fast-path cell: torch.compile the model")
+    p.add_argument("--no-baseline", action="store_true", help="skip the seeds' plain loop")
+    p.add_argument("--no-fast", action="store_true", help="skip the fast-path cell")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default: 0)")
+
+
+def machine() -> tuple[int, int]:
+    """(CUDA cards, CPU cores) of this machine, counted without starting CUDA."""
+    from .devices import _count_cards
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return _count_cards()[0], cores
+
+
+def counts(text: str) -> list[int]:
+    """--devices "1,2,4" -> [1, 2, 4], each a positive integer, sorted, none twice."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--devices {text}: give device counts as integers, e.g. 1,2") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"--devices {text}: each device count must be at least 1")
+    return sorted(set(values))
+
+
+def plan(args: argparse.Namespace, cards: int, cores: int) -> list[tuple[str, int]]:
+    """Check the sweep and fill in the defaults of `args` for this machine; return its (strategy, count) cells.
+
+    `single` runs only on one device; every other strategy on every count."""
+    kind = "cuda" if cards else "cpu"
+    runnable, available = (ON_CARDS, cards) if cards else (ON_CPU, cores)
+    names = args.strategies.split(",") if args.strategies else list(runnable)
+    for name in names:
+        if name not in ON_CARDS:
+            raise UsageError(f"--strategies {args.strategies}: unknown strategy {name!r}; choose from "
+                             f"{', '.join(ON_CARDS)}")
+        if name not in runnable:
+            raise UsageError(f"--strategies {args.strategies}: {name} needs CUDA cards and this machine has none; "
+                             f"use {','.join(ON_CPU)}")
+    numbers = counts(args.devices) if args.devices else list(range(1, (cards or min(2, cores)) + 1))
+    if max(numbers) > available:
+        what = f"{cards} cards" if cards else f"{cores} CPU cores (one process each)"
+        raise UsageError(f"--devices {args.devices}: asks for {max(numbers)} devices, this machine has {what}")
+    if "single" in names and 1 not in numbers:
+        raise UsageError(f"--devices {args.devices}: single runs on one device only; include 1, or leave single "
+                         f"out of --strategies")
+    for flag, value in (("--repeats", args.repeats), ("--samples", args.samples),
+                        ("--batch-size", args.batch_size), ("--fast-batch", args.fast_batch)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    args.strategies, args.devices = ",".join(dict.fromkeys(names)), ",".join(map(str, numbers))
+    args.samples = args.samples or SAMPLES.get((args.model, kind), OTHER_SAMPLES[kind])
+    args.batch_size = args.batch_size or BATCH[kind]
+    args.fast_batch = args.fast_batch or FAST_BATCH[kind]
+    bad = [n for n in numbers if args.batch_size % n]
+    if bad:
+        raise UsageError(f"--batch-size {args.batch_size} does not split over {bad[0]} devices; use a multiple of "
+                         f"every count in --devices")
+    return [(name, n) for name in dict.fromkeys(names) for n in numbers if name != "single" or n == 1]
+
+
+def device_spec(strategy: str, n: int, cards: int) -> str:
+    """The --devices text of a cell: CPU processes (cpu / cpu:N) without cards, else the first N cards."""
+    if cards:
+        return str(n)
+    return "cpu" if n == 1 else f"cpu:{n}"
+
+
+def isolated(fn, spec: dict) -> dict:
+    """fn(spec) in a fresh process (spawned, not forked: safe after CUDA or threads have started)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, spec).result()
+
+
+def _quiet(folder: Path) -> None:
+    """Send this process's output (and its children's) to folder/log.txt: the bench prints only its table."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = os.open(folder / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def _data(spec: dict):
+    import torch
+
+    from . import data, models
+
+    torch.manual_seed(spec["seed"])  # the same initial weights in every cell
+    model = models.build(spec["model"])
+    train_data, _ = data.load("synthetic", synthetic_samples=spec["samples"], seed=spec["seed"],
+                              shape=getattr(model, "input_shape", (1, 28, 28)))
+    return model, train_data
+
+
+def run_cell(spec: dict) -> dict:
+    """One strategy cell: multicard.train, its per-epoch rates read back from metrics.jsonl."""
+    from .launch import RankFailed
+    from .run import train
+
+    out = Path(spec["out"])
+    _quiet(out)
+    model, train_data = _data(spec)
+    try:
+        summary = train(model, train_data, None, strategy=spec["strategy"], devices=spec["devices"],
+                        epochs=1 + spec["repeats"], batch_size=spec["batch"], seed=spec["seed"], augment=False,
+                        quiet=True, out=str(out), device_data=spec["fast"], precision=spec["precision"],
+                        compile=spec["compile"])
+    except RankFailed as e:  # not picklable as it is: hand back its last line, or its whole trace
+        last = e.trace.strip().splitlines()[-1] if e.trace.strip() else ""
+        if last.startswith("multicard.errors.UsageError: "):
+            raise UsageError(last.split(": ", 1)[1]) from None
+        raise RuntimeError(f"rank {e.rank} failed:\n{e.trace}") from None
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"rates": [r["samples_per_s"] for r in rows[1:]], "loss": rows[-1]["train_loss"],
+            "peak_memory_mb": summary["peak_memory_mb"], "world_size": summary["world_size"],
+            "device_names": summary["devices"]}
+
+
+def run_seed_loop(spec: dict) -> dict:
+    """The seeds' plain loop on the first device: DataLoader over float tensors (collated sample by sample),
+    batch 64, shuffle, Adam 1e-3, loss.item() every step; the same warm-up / repeats rule."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from . import memory
+
+    _quiet(Path(spec["out"]))
+    model, train_data = _data(spec)
+    device = torch.device("cuda", 0) if spec["cards"] else torch.device("cpu")
+    cards = [0] if spec["cards"] else []
+    x, y = train_data[:]  # normalized float images, as the seeds' transforms give them
+    loader = DataLoader(TensorDataset(x, y), batch_size=SEED_BATCH, shuffle=True)
+    model = model.to(device)
+    optimizer, criterion = torch.optim.Adam(model.parameters(), lr=SEED_LR), nn.CrossEntropyLoss()
+    memory.reset(cards)
+    rates, loss = [], float("nan")
+    for _ in range(1 + spec["repeats"]):
+        total, seen = 0.0, 0
+        if cards:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            optimizer.zero_grad()
+            step_loss = criterion(model(inputs), targets)
+            step_loss.backward()
+            optimizer.step()
+            total, seen = total + step_loss.item() * len(targets), seen + len(targets)
+        if cards:
+            torch.cuda.synchronize()
+        rates.append(seen / (time.perf_counter() - start))
+        loss = total / seen
+    names = [f"cuda:0 {torch.cuda.get_device_name(0)}"] if cards else ["cpu"]
+    return {"rates": rates[1:], "loss": loss, "peak_memory_mb": memory.peak_mb(cards), "world_size": 1,
+            "device_names": names}
+
+
+def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
+    """A cell's numbers: the median timed epoch, ms per optimizer step, memory and its imbalance."""
+    rate = statistics.median(result["rates"])
+    memory = result["peak_memory_mb"]
+    return {"strategy": strategy, "devices": devices, "world_size": result["world_size"], "batch_size": batch,
+            "samples_per_s": rate, "epoch_samples_per_s": result["rates"], "ms_per_step": 1000 * batch / rate,
+            "peak_memory_mb": memory, "imbalance": max(memory) / statistics.mean(memory) if min(memory) > 0 else None,
+            "loss": result["loss"], "device_names": result["device_names"]}
+
+
+def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int) -> dict:
+    """Run the seeds' loop, every cell and the fast path; each in its own process, one after another."""
+    out = Path(args.out) / "cells"
+    common = {"model": args.model, "samples": args.samples, "seed": args.seed, "repeats": args.repeats,
+              "cards": cards, "precision": "fp32", "compile": False, "fast": False}
+    results: dict = {"cells": []}
+    if not args.no_baseline:
+        spec = {**common, "out": str(out / "seed-loop")}
+        results["baseline"] = row(isolated(run_seed_loop, spec), "seed loop", 1, SEED_BATCH)
+        announce(results["baseline"])
+    for strategy, n in cells:
+        spec = {**common, "strategy": strategy, "devices": device_spec(strategy, n, cards), "batch": args.batch_size,
+                "out": str(out / f"{strategy}-{n}")}
+        results["cells"].append(row(isolated(run_cell, spec), strategy, n, args.batch_size))
+        announce(results["cells"][-1])
+    if not args.no_fast:
+        spec = {**common, "strategy": "single", "devices": device_spec("single", 1, cards), "fast": True,
+                "batch": args.fast_batch, "precision": args.precision, "compile": args.compile,
+                "out": str(out / "fast")}
+        results["fast"] = row(isolated(run_cell, spec), "single fast", 1, args.fast_batch)
+        announce(results["fast"])
+    return results
+
+
+def announce(cell: dict) -> None:
+    print(f"bench: {cell['strategy']} x{cell['devices']}: {cell['samples_per_s']:,.0f} samples/s", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import bench_report, models
+
+    if args.model not in models.MODELS:
+        raise UsageError(f"--model {args.model}: unknown; choose one of {', '.join(sorted(models.MODELS))}")
+    cards, cores = machine()
+    cells = plan(args, cards, cores)
+    begin = time.perf_counter()
+    results = sweep(args, cells, cards)
+    report = bench_report.build(args, results, cards, cores, time.perf_counter() - begin)
+    print(bench_report.table(report))
+    for path in bench_report.write(report, Path(args.out)):
+        print(f"bench: wrote {path}")
+    return 0
