@@ -71,9 +71,17 @@ def test_training_deals_one_global_permutation_over_ranks():
     assert first != [y.tolist() for _, y in one]  # set_epoch reshuffles
 
 
+def test_loader_workers_serve_the_same_batches_as_in_memory_indexing():
+    labels = []
+    for workers in (0, 1):
+        loader = make_loader(tiny_images(40), 8, train=True, rank=1, world=2, seed=5, workers=workers)
+        set_epoch(loader, 2)
+        labels.append(torch.cat([y for _, y in loader]))
+    assert torch.equal(*labels) and len(labels[0]) == 20
+
+
 def test_exact_evaluation_shards_count_every_sample_once():
-    shards = [list(make_loader(tiny_images(1000), 64, train=False, rank=r, world=3).sampler.sampler)
-              for r in range(3)]
+    shards = [list(make_loader(tiny_images(1000), 64, train=False, rank=r, world=3).sampler) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(1000))
 
 

@@ -147,11 +147,14 @@ def _data(spec: dict):
 
 def run_cell(spec: dict) -> dict:
     """One strategy cell: multicard.train, its per-epoch rates read back from metrics.jsonl."""
-    from .launch import RankFailed
+    from .launch import RankFailed, free_port
     from .run import train
 
     out = Path(spec["out"])
     _quiet(out)
+    if spec["strategy"] == "ddp" and spec["devices"] in ("1", "cpu"):  # train() would not set up a 1-process group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",  # as torchrun would
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     model, train_data = _data(spec)
     try:
         summary = train(model, train_data, None, strategy=spec["strategy"], devices=spec["devices"],

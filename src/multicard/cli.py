@@ -96,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(run=cmd_check)
     e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
     e.set_defaults(run=cmd_env)
+    from . import bench
+
+    b = sub.add_parser("bench", help="the strategies side by side, against the seeds' plain loop: table, "
+                       "bench.json, bench.md, bench.png")
+    bench.add_arguments(b)
+    b.set_defaults(run=bench.run)
     return p
 
 

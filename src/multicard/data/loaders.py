@@ -26,14 +26,17 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, self.size, self.world))
 
 
-class OnDevice:
-    """The fast path: a TensorDataset moved to the device once; each epoch the sampler's order goes to the
-    device in one copy and batches are cut there (no DataLoader, no per-step host work)."""
+class InMemory:
+    """Batches cut straight from in-memory tensors: each epoch the sampler's order becomes one index tensor,
+    split into batches, each fetched by one indexing op (no DataLoader, no per-sample collation). With a
+    `device`, the tensors move there once first: the fast path, with no per-step host work at all."""
 
-    def __init__(self, dataset: TensorDataset, sampler: Sampler, batch_size: int, device: torch.device):
-        self.data = dataset.to(device) if isinstance(dataset, ImageData) else \
-            TensorDataset(*(t.to(device) for t in dataset.tensors))
-        self.sampler, self.batch_size, self.device = sampler, batch_size, device
+    def __init__(self, dataset: TensorDataset, sampler: Sampler, batch_size: int, device: torch.device | None):
+        if device is not None:
+            dataset = dataset.to(device) if isinstance(dataset, ImageData) else \
+                TensorDataset(*(t.to(device) for t in dataset.tensors))
+        self.data, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.device = dataset.tensors[0].device
 
     def __len__(self) -> int:
         return -(-len(self.sampler) // self.batch_size)
@@ -46,24 +49,24 @@ class OnDevice:
 
 def make_loader(dataset: Dataset, batch_size: int, *, train: bool, rank: int = 0, world: int = 1,
                 seed: int = 0, workers: int = 0, pin_memory: bool = False,
-                device: torch.device | None = None) -> DataLoader | OnDevice:
+                device: torch.device | None = None) -> DataLoader | InMemory:
     """`batch_size` is per process. Training shuffles one global permutation per epoch (the same for every
     world size) and deals it out, so N processes see, step by step, the samples one process would see.
-    With `device`, an in-memory dataset is served from that device (OnDevice)."""
+    A TensorDataset is served by InMemory (from `device` if given) unless loader workers are asked for."""
     if train:
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     else:
         sampler = ShardSampler(len(dataset), rank, world)
-    if device is not None and isinstance(dataset, TensorDataset):
-        return OnDevice(dataset, sampler, batch_size, device)
+    if isinstance(dataset, TensorDataset) and (device is not None or workers == 0):
+        return InMemory(dataset, sampler, batch_size, device)
     common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
-    if isinstance(dataset, TensorDataset):  # in memory: index a whole batch at once, no per-sample collation
+    if isinstance(dataset, TensorDataset):  # workers asked for: they fetch whole batches, still no collation
         return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
                           **common)
     return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **common)
 
 
-def set_epoch(loader: DataLoader | OnDevice, epoch: int) -> None:
+def set_epoch(loader: DataLoader | InMemory, epoch: int) -> None:
     """Reshuffle for this epoch (users of DistributedSampler must remember this; here it is done for them)."""
     sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
     if hasattr(sampler, "set_epoch"):

@@ -1,0 +1,177 @@
+"""The bench's report: derived numbers (scaling, parity, speed-up), the terminal and markdown tables, bench.json
+and the PNG plot. Imported only when a bench runs (matplotlib and torch load here, never for `--help`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+PARITY_NOTE = ("loss parity: |final train loss - single x1's| / single x1's, after the same epochs from the same "
+               "initial weights, data order and global batch (not computed for the seed loop and the fast path, "
+               "whose batch or data order differ)")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def command() -> str:
+    name = Path(sys.argv[0]).name
+    return shlex.join(["python -m multicard" if name == "__main__.py" else name, *sys.argv[1:]])
+
+
+def derive(results: dict) -> None:
+    """Fill in scaling efficiency (against the same strategy on one device), loss parity (against single x1)
+    and speed-up over the seeds' loop, in place."""
+    cells, baseline = results["cells"], results.get("baseline")
+    one = {c["strategy"]: c for c in cells if c["devices"] == 1}
+    reference = one.get("single")
+    for cell in cells:
+        first = one.get(cell["strategy"])
+        cell["scaling_efficiency"] = cell["samples_per_s"] / (cell["devices"] * first["samples_per_s"]) \
+            if first else None
+        cell["loss_parity"] = abs(cell["loss"] - reference["loss"]) / reference["loss"] if reference else None
+    for extra in (results[k] for k in ("baseline", "fast") if k in results):
+        extra["scaling_efficiency"] = extra["loss_parity"] = None
+    for cell in rows(results):
+        cell["speedup_vs_baseline"] = cell["samples_per_s"] / baseline["samples_per_s"] if baseline else None
+
+
+def build(args: argparse.Namespace, results: dict, cards: int, cores: int, seconds: float) -> dict:
+    import torch
+
+    derive(results)
+    config = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
+    names = [torch.cuda.get_device_name(i) for i in range(cards)]
+    return {"config": config, "torch": torch.__version__,
+            "hardware": {"cpu": cpu_name(), "cores": cores, "cards": names},
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command(),
+            "sweep_seconds": round(seconds, 1), **results}
+
+
+def rows(report: dict) -> list[dict]:
+    """Every measured row in table order: the seed loop, the strategy cells, the fast path."""
+    return [r for r in [report.get("baseline"), *report["cells"], report.get("fast")] if r]
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+HEADER = ("cell", "devices", "batch", "samples/s", "ms/step", "scaling", "vs seed loop", "peak MB per {unit}",
+          "imbalance", "final loss", "loss parity")
+
+
+def cells_text(report: dict) -> list[list[str]]:
+    out = []
+    for r in rows(report):
+        out.append([r["strategy"], str(r["devices"]), str(r["batch_size"]), fmt(r["samples_per_s"], ",.0f"),
+                    fmt(r["ms_per_step"], ".2f"), fmt(r["scaling_efficiency"], ".0%"),
+                    fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
+                    " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), fmt(r["imbalance"], ".2f"),
+                    fmt(r["loss"], ".4f"), fmt(r["loss_parity"], ".1e")])
+    return out
+
+
+def unit(report: dict) -> str:
+    return "card" if report["hardware"]["cards"] else "process"
+
+
+def heading(report: dict) -> list[str]:
+    hw = report["hardware"]
+    cards = ", ".join(hw["cards"]) or "no GPU"
+    c = report["config"]
+    return [f"hardware: {hw['cpu']}, {hw['cores']} cores, {cards}; torch {report['torch']}",
+            f"command: {report['command']}", f"date: {report['date']} (sweep took {report['sweep_seconds']} s)",
+            f"model {c['model']} on {c['samples']} synthetic samples per epoch; 1 warm-up + {c['repeats']} timed "
+            f"epochs, median reported; fast path: data on the device, batch {c['fast_batch']}, {c['precision']}"
+            + (", torch.compile" if c["compile"] else "")]
+
+
+def table(report: dict) -> str:
+    header = [h.format(unit=unit(report)) for h in HEADER]
+    body = cells_text(report)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:  # the first column left-aligned, numbers right-aligned
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
+
+    return "\n".join([*heading(report), "", line(header), *(line(r) for r in body), "", PARITY_NOTE])
+
+
+def markdown(report: dict) -> str:
+    header = [h.format(unit=unit(report)) for h in HEADER]
+    lines = [f"- {h}" for h in heading(report)] + ["", "| " + " | ".join(header) + " |",
+                                                    "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in cells_text(report)]
+    memory = "torch.cuda peak allocated per card" if report["hardware"]["cards"] else \
+        "peak resident memory (RSS) per process"
+    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over {unit(report)}s. {PARITY_NOTE}."])
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for strategy in dict.fromkeys(c["strategy"] for c in report["cells"]):
+        mine = [c for c in report["cells"] if c["strategy"] == strategy]
+        left.plot([c["devices"] for c in mine], [c["samples_per_s"] for c in mine], "o-", label=strategy)
+    if "fast" in report:
+        left.plot([1], [report["fast"]["samples_per_s"]], "*", markersize=14, label="single fast path")
+    if "baseline" in report:
+        left.axhline(report["baseline"]["samples_per_s"], color="grey", linestyle="--", label="seeds' plain loop")
+    counts = sorted({c["devices"] for c in report["cells"]} | {1})
+    left.set(xticks=counts, xlabel="devices" if report["hardware"]["cards"] else "CPU processes",
+             ylabel="training samples/s (median epoch)", title="throughput")
+    values = [r["samples_per_s"] for r in rows(report)]
+    if max(values) / max(min(values), 1e-9) > 20:
+        left.set_yscale("log")
+    left.set_ylim(bottom=0 if left.get_yscale() == "linear" else None)
+    left.grid(alpha=0.3)
+    left.legend()
+    measured = rows(report)
+    most = max(len(r["peak_memory_mb"]) for r in measured)
+    width = 0.8 / most
+    for k in range(most):
+        xs = [i + k * width for i, r in enumerate(measured) if k < len(r["peak_memory_mb"])]
+        ys = [r["peak_memory_mb"][k] for r in measured if k < len(r["peak_memory_mb"])]
+        right.bar(xs, ys, width, label=f"{unit(report)} {k}")
+    right.set_xticks([i + (most - 1) * width / 2 for i in range(len(measured))],
+                     [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
+    right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory")
+    right.legend()
+    hw = report["hardware"]
+    fig.suptitle(f"multicard bench: {report['config']['model']}; {hw['cpu']} ({hw['cores']} cores), "
+                 f"{', '.join(hw['cards']) or 'no GPU'}; torch {report['torch']}; {report['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(report: dict, out: Path) -> list[Path]:
+    """bench.json, bench.md and bench.png in `out` (each written whole, then moved into place)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md", out / "bench.png"]
+    for path, text in zip(paths[:2], (json.dumps(report, indent=2) + "\n", markdown(report) + "\n"), strict=True):
+        tmp = path.with_suffix(path.suffix + ".part")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    tmp = paths[2].with_name("bench.part.png")
+    plot(report, tmp)
+    os.replace(tmp, paths[2])
+    return paths
