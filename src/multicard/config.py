@@ -5,7 +5,7 @@ This module must not import torch: `multicard --help` reads it and must answer a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 def opt(default, help: str, **meta):
@@ -66,6 +66,3 @@ class TrainConfig:
     # a rerun with the same --out replaces that run's files
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
 
-
-def field_names() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]

@@ -22,13 +22,6 @@ class Devices:
     def count(self) -> int:
         return len(self.ids)
 
-    def names(self) -> list[str]:
-        if self.kind == "cpu":
-            return ["cpu"] * self.count
-        import torch
-
-        return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in self.ids]
-
 
 def parse(text: str, cards: int) -> Devices:
     """Turn --devices into Devices, given how many CUDA cards are visible. Pure: no CUDA is touched."""

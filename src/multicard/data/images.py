@@ -22,9 +22,6 @@ class ImageData(TensorDataset):
             x = random_affine(x)
         return x.sub_(self.mean).div_(self.std), labels
 
-    def with_augment(self, augment: bool) -> ImageData:
-        return ImageData(*self.tensors, self.mean, self.std, augment)
-
     def to(self, device: torch.device) -> ImageData:
         return ImageData(*(t.to(device) for t in self.tensors), self.mean, self.std, self.augment)
 
