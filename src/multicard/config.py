@@ -65,4 +65,3 @@ class TrainConfig:
     quiet: bool = opt(False, "no progress bar and no per-epoch lines")
     # a rerun with the same --out replaces that run's files
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
-
