@@ -87,9 +87,10 @@ def test_good_files_load(tmp_path, gz):
     assert len(train) == 20 and len(test) == 10
     for split, images_name, labels_name in ((train, TRAIN_IMAGES, TRAIN_LABELS), (test, TEST_IMAGES, TEST_LABELS)):
         images, labels = split.tensors
-        assert images.dtype == torch.uint8 and images.shape == (len(split), 1, 28, 28)
+        assert images.dtype == torch.float32 and images.shape == (len(split), 1, 28, 28)
         assert labels.dtype == torch.int64 and labels.shape == (len(split),)
-        assert torch.equal(images[:, 0], torch.from_numpy(arrays[images_name]))
+        pixels = torch.from_numpy(arrays[images_name]).float()
+        assert torch.allclose(images[:, 0], (pixels / 255 - 0.1307) / 0.3081)
         assert torch.equal(labels, torch.from_numpy(arrays[labels_name].astype(np.int64)))
     assert (train.mean, train.std) == (0.1307, 0.3081)
     assert not train.augment and not test.augment
@@ -101,7 +102,8 @@ def test_data_load_by_name_uses_each_datasets_normalization(tmp_path):
     fashion_train, fashion_test = data.load("fashion-mnist", str(tmp_path), augment=True)
     assert (fashion_train.mean, fashion_train.std) == (0.2860, 0.3530)
     assert fashion_train.augment and not fashion_test.augment  # augmentation is for training only
-    assert torch.equal(mnist_train.tensors[0], fashion_train.tensors[0])
+    pixels = mnist_train.tensors[0] * 0.3081 + 0.1307  # the same files, each normalized its own way
+    assert torch.allclose(fashion_train.tensors[0], (pixels - 0.2860) / 0.3530, atol=1e-5)
 
 
 def test_mixed_plain_and_gz_files_load(tmp_path):
@@ -395,7 +397,7 @@ def mnist_5k():
 def test_mnist_5k_split(mnist_5k):
     (train, test), _ = mnist_5k
     assert len(train) == 4000 and len(test) == 1000
-    assert train.tensors[0].shape == (4000, 1, 28, 28) and train.tensors[0].dtype == torch.uint8
+    assert train.tensors[0].shape == (4000, 1, 28, 28) and train.tensors[0].dtype == torch.float32
     assert torch.bincount(train.tensors[1], minlength=10).tolist() == [400] * 10
     assert torch.bincount(test.tensors[1], minlength=10).tolist() == [100] * 10
 
@@ -428,13 +430,14 @@ def small_images(n: int = 8, augment: bool = False) -> ImageData:
 
 
 def test_image_data_returns_a_normalized_float_batch():
-    d = small_images()
+    g = torch.Generator().manual_seed(3)
+    pixels = torch.randint(0, 256, (10, 1, 28, 28), dtype=torch.uint8, generator=g)
+    d = ImageData(pixels, torch.arange(10) % 10, 0.5, 0.25)
     x, y = d[[0, 2, 5]]
     assert x.dtype == torch.float32 and x.shape == (3, 1, 28, 28)
-    expected = (d.tensors[0][[0, 2, 5]].float() / 255 - 0.5) / 0.25
-    assert torch.allclose(x, expected)
+    assert torch.allclose(x, (pixels[[0, 2, 5]].float() / 255 - 0.5) / 0.25)
     assert y.tolist() == [0, 2, 5]
-    assert d.tensors[0].dtype == torch.uint8  # stored images untouched by normalization
+    assert ImageData(x, y, 0.5, 0.25).tensors[0] is x  # float images are taken as normalized: not twice
 
 
 def test_augmentation_changes_images_but_keeps_shape():

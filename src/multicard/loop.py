@@ -73,8 +73,9 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            loss_sum += loss.detach().double() * count(targets)
-            samples += count(targets)
+            n = count(targets)
+            loss_sum.add_(loss.detach(), alpha=n)  # one op: float32 loss into the float64 sum
+            samples += n
             bar.update()
         strategy.synchronize()
         seconds = time.perf_counter() - start

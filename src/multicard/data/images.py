@@ -1,4 +1,4 @@
-"""ImageData: images held in memory as uint8, served a whole batch per index list (no per-sample collation)."""
+"""ImageData: images held in memory, normalized once, served a whole batch per index list (no collation)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,25 @@ from torch.utils.data import TensorDataset
 
 
 class ImageData(TensorDataset):
-    """(N, C, H, W) uint8 images and int64 labels. `data[indices]` returns a normalized float batch."""
+    """(N, C, H, W) images and int64 labels; `data[indices]` is a batch, by one indexing op.
+
+    uint8 pixels are normalized to float once, here ((x / 255 - mean) / std), so no step pays for it again;
+    float images are taken as normalized already.
+    """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: float, std: float,
                  augment: bool = False):
+        if images.dtype == torch.uint8:
+            images = images.float().div_(255).sub_(mean).div_(std)
         super().__init__(images, labels)
         self.mean, self.std, self.augment = mean, std, augment
 
     def __getitem__(self, index):
         images, labels = self.tensors[0][index], self.tensors[1][index]
-        x = images.float().div_(255)
-        if self.augment and x.dim() == 4:
-            x = random_affine(x)
-        return x.sub_(self.mean).div_(self.std), labels
+        if self.augment and images.dim() == 4:
+            black = -self.mean / self.std  # what 0 became: the background the transform must pad with
+            images = random_affine(images - black) + black
+        return images, labels
 
     def to(self, device: torch.device) -> ImageData:
         return ImageData(*(t.to(device) for t in self.tensors), self.mean, self.std, self.augment)
