@@ -207,3 +207,12 @@ def test_cli_ddp_ignores_a_master_port_someone_holds(tmp_path):
                       env={"MASTER_PORT": str(taken.getsockname()[1])})
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary_of(tmp_path)["world_size"] == 2
+
+
+def test_ddp_on_one_process_needs_no_rendezvous(tmp_path, monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    summary = multicard.train(LeNet5(), tiny_images(64), None, strategy="ddp", devices="cpu", epochs=1,
+                              batch_size=16, out=str(tmp_path), **FAST)
+    assert (summary["strategy"], summary["world_size"]) == ("ddp", 1)
+    assert not torch.distributed.is_initialized()  # torn down again

@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
@@ -22,11 +23,12 @@ from .errors import UsageError
 SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
 ON_CARDS = ("single", "dp", "dp-balanced", "ddp")
 ON_CPU = ("single", "ddp")
-# synthetic samples per epoch, sized for an epoch of about a second (CPU: 2 cores; cards: one H100)
+# synthetic samples per epoch: on the CPU about half a second of work per epoch on 2 quiet cores, so the default
+# sweep stays well under 2 minutes on a shared machine; on cards sized for about a second on one H100 (a guess)
 SAMPLES = {("lenet5", "cpu"): 4096, ("resnet8", "cpu"): 512, ("lenet5", "cuda"): 262144, ("resnet8", "cuda"): 65536}
 OTHER_SAMPLES = {"cpu": 1024, "cuda": 65536}
 BATCH = {"cpu": 64, "cuda": 512}  # global batch of the strategy cells: on cards 64 would leave them idle
-FAST_BATCH = {"cpu": 1024, "cuda": 16384}  # the fast path: big batches cut from data held on the device
+FAST_BATCH = {"cpu": 256, "cuda": 16384}  # fast path: data held on the device; on 2 CPU cores 256 beat 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,13 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "single,dp,dp-balanced,ddp with cards)")
     p.add_argument("--devices", help="comma list of device counts (default: 1..cards; on the CPU 1..min(2, cores) "
                    "processes)")
-    p.add_argument("--samples", type=int, help="synthetic training samples per epoch (default: about a second "
-                   "of work per epoch for the model on this machine)")
+    p.add_argument("--samples", type=int, help="synthetic training samples per epoch (default: lenet5 4096 on "
+                   "the CPU, 262144 on cards; resnet8 512 / 65536; other models 1024 / 65536)")
     p.add_argument("--batch-size", type=int, help="global batch of the strategy cells (default: 64 on the CPU, "
                    "512 on cards; the seeds' loop always uses 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs after one warm-up epoch; the median is "
                    "reported (default: 3)")
-    p.add_argument("--fast-batch", type=int, help="batch of the fast-path cell (default: 1024 on the CPU, "
+    p.add_argument("--fast-batch", type=int, help="batch of the fast-path cell (default: 256 on the CPU, "
                    "16384 on a card)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="fast-path cell: fp32 or bf16 "
                    "autocast (default: fp32)")
@@ -56,10 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def machine() -> tuple[int, int]:
     """(CUDA cards, CPU cores) of this machine, counted without starting CUDA."""
-    from .devices import _count_cards
+    from .devices import count_cards
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _count_cards()[0], cores
+    return count_cards()[0], cores
 
 
 def counts(text: str) -> list[int]:
@@ -109,14 +111,14 @@ def plan(args: argparse.Namespace, cards: int, cores: int) -> list[tuple[str, in
     return [(name, n) for name in dict.fromkeys(names) for n in numbers if name != "single" or n == 1]
 
 
-def device_spec(strategy: str, n: int, cards: int) -> str:
+def device_spec(n: int, cards: int) -> str:
     """The --devices text of a cell: CPU processes (cpu / cpu:N) without cards, else the first N cards."""
     if cards:
         return str(n)
     return "cpu" if n == 1 else f"cpu:{n}"
 
 
-def isolated(fn, spec: dict) -> dict:
+def isolated(fn: Callable[[dict], dict], spec: dict) -> dict:
     """fn(spec) in a fresh process (spawned, not forked: safe after CUDA or threads have started)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -147,14 +149,11 @@ def _data(spec: dict):
 
 def run_cell(spec: dict) -> dict:
     """One strategy cell: multicard.train, its per-epoch rates read back from metrics.jsonl."""
-    from .launch import RankFailed, free_port
+    from .launch import RankFailed
     from .run import train
 
     out = Path(spec["out"])
     _quiet(out)
-    if spec["strategy"] == "ddp" and spec["devices"] in ("1", "cpu"):  # train() would not set up a 1-process group
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",  # as torchrun would
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     model, train_data = _data(spec)
     try:
         summary = train(model, train_data, None, strategy=spec["strategy"], devices=spec["devices"],
@@ -233,12 +232,12 @@ def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int) ->
         results["baseline"] = row(isolated(run_seed_loop, spec), "seed loop", 1, SEED_BATCH)
         announce(results["baseline"])
     for strategy, n in cells:
-        spec = {**common, "strategy": strategy, "devices": device_spec(strategy, n, cards), "batch": args.batch_size,
+        spec = {**common, "strategy": strategy, "devices": device_spec(n, cards), "batch": args.batch_size,
                 "out": str(out / f"{strategy}-{n}")}
         results["cells"].append(row(isolated(run_cell, spec), strategy, n, args.batch_size))
         announce(results["cells"][-1])
     if not args.no_fast:
-        spec = {**common, "strategy": "single", "devices": device_spec("single", 1, cards), "fast": True,
+        spec = {**common, "strategy": "single", "devices": device_spec(1, cards), "fast": True,
                 "batch": args.fast_batch, "precision": args.precision, "compile": args.compile,
                 "out": str(out / "fast")}
         results["fast"] = row(isolated(run_cell, spec), "single fast", 1, args.fast_batch)

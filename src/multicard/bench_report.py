@@ -118,7 +118,8 @@ def markdown(report: dict) -> str:
     lines += ["| " + " | ".join(r) + " |" for r in cells_text(report)]
     memory = "torch.cuda peak allocated per card" if report["hardware"]["cards"] else \
         "peak resident memory (RSS) per process"
-    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over {unit(report)}s. {PARITY_NOTE}."])
+    many = "cards" if report["hardware"]["cards"] else "processes"
+    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over a cell's {many}. {PARITY_NOTE}."])
 
 
 def plot(report: dict, path: Path) -> None:
@@ -128,30 +129,36 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for strategy in dict.fromkeys(c["strategy"] for c in report["cells"]):
+    for marker, strategy in zip("osD^v", dict.fromkeys(c["strategy"] for c in report["cells"]), strict=False):
         mine = [c for c in report["cells"] if c["strategy"] == strategy]
-        left.plot([c["devices"] for c in mine], [c["samples_per_s"] for c in mine], "o-", label=strategy)
-    if "fast" in report:
-        left.plot([1], [report["fast"]["samples_per_s"]], "*", markersize=14, label="single fast path")
-    if "baseline" in report:
-        left.axhline(report["baseline"]["samples_per_s"], color="grey", linestyle="--", label="seeds' plain loop")
+        left.plot([c["devices"] for c in mine], [c["samples_per_s"] for c in mine], marker + "-", markersize=8,
+                  alpha=0.8, label=strategy)
+    for key, style, name in (("fast", ":", "single fast path"), ("baseline", "--", "seeds' plain loop")):
+        if key in report:  # one-device references: levels to read the strategies against
+            rate = report[key]["samples_per_s"]
+            left.axhline(rate, color="green" if key == "fast" else "grey", linestyle=style,
+                         label=f"{name} ({rate:,.0f}/s)")
+    for c in report["cells"]:
+        left.annotate(f"{c['samples_per_s']:,.0f}", (c["devices"], c["samples_per_s"]), fontsize=7,
+                      textcoords="offset points", xytext=(8, -3))
     counts = sorted({c["devices"] for c in report["cells"]} | {1})
     left.set(xticks=counts, xlabel="devices" if report["hardware"]["cards"] else "CPU processes",
              ylabel="training samples/s (median epoch)", title="throughput")
     values = [r["samples_per_s"] for r in rows(report)]
     if max(values) / max(min(values), 1e-9) > 20:
         left.set_yscale("log")
-    left.set_ylim(bottom=0 if left.get_yscale() == "linear" else None)
+    else:
+        left.set_ylim(0, 1.12 * max(values))  # room above the top point for its label
     left.grid(alpha=0.3)
     left.legend()
     measured = rows(report)
     most = max(len(r["peak_memory_mb"]) for r in measured)
     width = 0.8 / most
-    for k in range(most):
-        xs = [i + k * width for i, r in enumerate(measured) if k < len(r["peak_memory_mb"])]
-        ys = [r["peak_memory_mb"][k] for r in measured if k < len(r["peak_memory_mb"])]
-        right.bar(xs, ys, width, label=f"{unit(report)} {k}")
-    right.set_xticks([i + (most - 1) * width / 2 for i in range(len(measured))],
+    for k in range(most):  # bar k of every row that has a k-th card / process, each row's bars centred on it
+        mine = [(i, r["peak_memory_mb"]) for i, r in enumerate(measured) if k < len(r["peak_memory_mb"])]
+        right.bar([i + (k - (len(m) - 1) / 2) * width for i, m in mine], [m[k] for _, m in mine], width,
+                  label=f"{unit(report)} {k}")
+    right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
     right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory")
     right.legend()

@@ -63,7 +63,7 @@ def _need_cards(text: str, cards: int) -> None:
         raise UsageError(f"--devices {text}: this machine has no CUDA card; use --devices cpu or cpu:N")
 
 
-def _count_cards() -> tuple[int, bool]:
+def count_cards() -> tuple[int, bool]:
     """How many CUDA cards are visible, and whether CUDA is still unstarted (so visibility can be set).
 
     NVML counts without starting CUDA; torch.cuda.device_count() would start it and freeze the visible set.
@@ -82,7 +82,7 @@ def _count_cards() -> tuple[int, bool]:
 
 def select(text: str) -> Devices:
     """Parse --devices for this machine; where CUDA has not started yet, show the process only those cards."""
-    cards, unstarted = _count_cards()
+    cards, unstarted = count_cards()
     devices = parse(text, cards)
     if devices.kind == "cuda" and unstarted:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -60,9 +60,13 @@ def backend_for(device_type: str) -> str:
 def init(job: Job, device_type: str, timeout_s: float = 600) -> None:
     import torch.distributed as dist
 
+    timeout = timedelta(seconds=timeout_s)
+    if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
+        dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
     os.environ.update(rendezvous_env())
-    dist.init_process_group(backend_for(device_type), rank=job.rank, world_size=job.world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend_for(device_type), rank=job.rank, world_size=job.world, timeout=timeout)
 
 
 def teardown() -> None:

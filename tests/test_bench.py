@@ -1,0 +1,117 @@
+"""multicard bench: a real sweep on the CPU with tiny data (its JSON, table, markdown and plot), the derived
+numbers, and bad sweep arguments answered with one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from conftest import run_cli
+from multicard import bench
+from multicard.bench_report import derive
+from multicard.errors import UsageError
+
+TINY = ("--samples", "128", "--batch-size", "32", "--repeats", "1", "--strategies", "single,ddp", "--devices", "1,2",
+        "--fast-batch", "64")
+CELL_KEYS = {"strategy", "devices", "world_size", "samples_per_s", "ms_per_step", "scaling_efficiency",
+             "peak_memory_mb", "imbalance", "loss", "loss_parity", "speedup_vs_baseline"}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    result = run_cli("bench", "--out", str(out), *TINY, env={"OMP_NUM_THREADS": "1"}, timeout=240)
+    assert result.returncode == 0, result.stderr
+    return out, result.stdout
+
+
+def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
+    out, _ = swept
+    report = json.loads((out / "bench.json").read_text())
+    assert {"config", "torch", "hardware", "date", "command", "cells", "baseline", "fast"} <= set(report)
+    assert report["config"]["strategies"] == "single,ddp" and report["config"]["repeats"] == 1
+    assert report["hardware"]["cores"] >= 2 and report["hardware"]["cards"] == [] and report["hardware"]["cpu"]
+    assert "bench" in report["command"] and "--samples 128" in report["command"]
+    cells = report["cells"]
+    assert [(c["strategy"], c["devices"], c["world_size"]) for c in cells] == [("single", 1, 1), ("ddp", 1, 1),
+                                                                                ("ddp", 2, 2)]
+    for cell in [*cells, report["baseline"], report["fast"]]:
+        assert CELL_KEYS <= set(cell)
+        assert cell["samples_per_s"] > 0 and len(cell["epoch_samples_per_s"]) == 1  # the warm-up is dropped
+        assert cell["ms_per_step"] == pytest.approx(1000 * cell["batch_size"] / cell["samples_per_s"])
+        assert len(cell["peak_memory_mb"]) == cell["world_size"] and min(cell["peak_memory_mb"]) > 50
+        assert cell["imbalance"] >= 1
+        assert cell["speedup_vs_baseline"] == pytest.approx(cell["samples_per_s"] / report["baseline"]["samples_per_s"])
+    single, ddp1, ddp2 = cells
+    assert single["scaling_efficiency"] == ddp1["scaling_efficiency"] == 1
+    assert ddp2["scaling_efficiency"] == pytest.approx(ddp2["samples_per_s"] / (2 * ddp1["samples_per_s"]))
+    assert single["loss_parity"] == 0 and ddp1["loss_parity"] < 1e-5 and ddp2["loss_parity"] < 1e-5  # same steps
+    assert report["baseline"]["batch_size"] == 64 and report["baseline"]["loss_parity"] is None
+    assert report["fast"]["batch_size"] == 64 and report["fast"]["scaling_efficiency"] is None
+
+
+def test_sweep_prints_the_table_and_writes_markdown_and_plot(swept):
+    out, stdout = swept
+    assert "samples/s" in stdout and "ddp" in stdout and "seed loop" in stdout and "bench.png" in stdout
+    md = (out / "bench.md").read_text()
+    assert md.startswith("- hardware:") and "command:" in md and "date:" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 5  # header, seed loop, 3 cells, fast
+    png = (out / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert (out / "cells" / "ddp-2" / "metrics.jsonl").exists()
+
+
+def args(**given) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **given})
+
+
+def test_plan_defaults_for_cpu_and_cards():
+    cpu = args()
+    assert bench.plan(cpu, cards=0, cores=8) == [("single", 1), ("ddp", 1), ("ddp", 2)]  # 1..min(2, cores)
+    assert (cpu.batch_size, cpu.fast_batch, cpu.samples) == (64, 256, 4096)
+    cards = args(model="resnet8")
+    assert bench.plan(cards, cards=2, cores=8) == [("single", 1), ("dp", 1), ("dp", 2), ("dp-balanced", 1),
+                                                    ("dp-balanced", 2), ("ddp", 1), ("ddp", 2)]
+    assert (cards.batch_size, cards.fast_batch, cards.samples) == (512, 16384, 65536)
+    assert bench.device_spec(2, cards=0) == "cpu:2" and bench.device_spec(2, cards=4) == "2"
+
+
+@pytest.mark.parametrize("given, cards, message", [
+    ({"strategies": "single,fsdp"}, 0, "unknown strategy 'fsdp'"),
+    ({"strategies": "dp"}, 0, "dp needs CUDA cards"),
+    ({"devices": "1,4"}, 2, "asks for 4 devices, this machine has 2 cards"),
+    ({"devices": "3"}, 0, "this machine has 2 CPU cores"),
+    ({"devices": "1,two"}, 0, "give device counts as integers"),
+    ({"devices": "0,1"}, 0, "at least 1"),
+    ({"repeats": 0}, 0, "--repeats 0: must be at least 1"),
+    ({"batch_size": 33, "devices": "1,2"}, 0, "does not split over 2 devices"),
+    ({"strategies": "single", "devices": "2"}, 0, "single runs on one device only"),
+])
+def test_bad_sweeps_are_rejected_before_anything_runs(given, cards, message):
+    with pytest.raises(UsageError, match=message):
+        bench.plan(args(**given), cards=cards, cores=2)
+
+
+def test_bad_sweep_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    result = run_cli("bench", "--out", str(tmp_path / "b"), "--strategies", "dp")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("multicard: error: --strategies dp: dp needs CUDA cards")
+    assert not (tmp_path / "b").exists()
+
+
+def test_derived_numbers():
+    def cell(strategy, devices, rate, loss):
+        return {"strategy": strategy, "devices": devices, "samples_per_s": rate, "loss": loss}
+
+    results = {"cells": [cell("single", 1, 100, 2.0), cell("ddp", 1, 90, 2.0), cell("ddp", 2, 150, 2.2)],
+               "baseline": cell("seed loop", 1, 50, 1.0), "fast": cell("single fast", 1, 400, 1.5)}
+    derive(results)
+    ddp2 = results["cells"][2]
+    assert ddp2["scaling_efficiency"] == pytest.approx(150 / 180) and ddp2["loss_parity"] == pytest.approx(0.1)
+    assert ddp2["speedup_vs_baseline"] == 3 and results["fast"]["speedup_vs_baseline"] == 8
+    assert results["fast"]["loss_parity"] is None and results["baseline"]["scaling_efficiency"] is None
