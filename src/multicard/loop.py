@@ -41,6 +41,15 @@ def evaluate(model: nn.Module, stats: Callable, loader: DataLoader, strategy: St
     return {"test_loss": loss / max(n, 1), "test_accuracy": correct / max(n, 1), "test_samples": int(n)}
 
 
+def adam(params: list, lr: float) -> torch.optim.Adam:
+    """Adam fused into one kernel per step where this torch can do that for these parameters: the same
+    algorithm, fewer launches (measurably faster for small models); plain Adam elsewhere."""
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.Adam(params, lr=lr)
+
+
 def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_loader: DataLoader | None,
         strategy: Strategy, config: TrainConfig, metric: Callable = accuracy,
         on_epoch: Callable[[dict], None] | None = None) -> tuple[nn.Module, list[dict]]:
@@ -53,7 +62,7 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
     model, loss_fn = strategy.setup(model, criterion)
     forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
     autocast = torch.autocast(strategy.device.type, torch.bfloat16, enabled=config.precision == "bf16")
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    optimizer = adam(list(model.parameters()), config.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step, gamma=config.lr_gamma)
     stats = strategy.wrap_loss(lambda out, y: torch.stack([criterion(out, y).double(), metric(out, y).double()]))
     bar = tqdm(total=config.epochs * len(train_loader), unit="step", dynamic_ncols=True,
