@@ -232,3 +232,10 @@ def test_without_test_data(tmp_path):
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 2 and all("test_accuracy" not in m and "train_loss" in m for m in metrics)
     assert (tmp_path / "model.pt").is_file()
+
+
+@pytest.mark.parametrize("override", [{"epochs": 0}, {"lr": -1.0}, {"eval_batch_size": 0}])
+def test_the_library_refuses_what_the_cli_refuses(tmp_path, override):
+    with pytest.raises(UsageError):
+        multicard.train(LeNet5(), tiny_images(32), None, out=str(tmp_path), **override)
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -38,12 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .run import train
 
     config = config_from(args)
-    for flag, value, least in (("--epochs", config.epochs, 1), ("--lr-step", config.lr_step, 1),
-                               ("--workers", config.workers, 0)):
-        if value < least:  # checked before anything runs: torch would fail later, some only after an epoch
-            raise UsageError(f"{flag} {value}: must be at least {least}")
-    if not config.lr > 0:
-        raise UsageError(f"--lr {config.lr}: must be a positive number")
+    config.validate()
     torch.manual_seed(config.seed)  # the same initial weights in every process and every run
     model = models.build(config.model)
     shape = getattr(model, "input_shape", (1, 28, 28))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import UsageError
+
 
 def opt(default, help: str, **meta):
     """A dataclass field that carries its --help text."""
@@ -65,3 +67,12 @@ class TrainConfig:
     quiet: bool = opt(False, "no progress bar and no per-epoch lines")
     # a rerun with the same --out replaces that run's files
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
+
+    def validate(self) -> None:
+        """Refuse numbers that cannot work, before anything runs (torch would fail later, some after an epoch)."""
+        for flag, value, least in (("--epochs", self.epochs, 1), ("--lr-step", self.lr_step, 1),
+                                   ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1)):
+            if value < least:
+                raise UsageError(f"{flag} {value}: must be at least {least}")
+        if not self.lr > 0:
+            raise UsageError(f"--lr {self.lr}: must be a positive number")

@@ -36,6 +36,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     this under `if __name__ == "__main__":` and keep model, data and criterion picklable. Returns the summary.
     """
     config = replace(config or TrainConfig(), **overrides)
+    config.validate()
     if Path(config.out).exists() and not Path(config.out).is_dir():
         raise UsageError(f"--out {config.out}: is a file; name a folder (it is created if missing)")
     job = job_from_env()
@@ -53,48 +54,53 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
 def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
            criterion: Callable, metric: Callable, config: TrainConfig) -> dict:
     """The body of every training process: start, train, report, and always stop (process group down)."""
-    begin = time.perf_counter()
     try:
         strategy.start(job_from_env())
-        if strategy.job.launcher == "multicard":  # spawned: tensors arrive in memory shared by all processes,
-            model = copy.deepcopy(model)  # so each process needs weights of its own (data stays shared)
-        torch.manual_seed(config.seed + strategy.rank)  # per rank: augmentation and dropout differ
-        cuda = strategy.device.type == "cuda"
-        torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
-        common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda,
-                      device=strategy.device if config.device_data else None)
-        train_loader = make_loader(train_data, strategy.local_batch(config.batch_size), train=True,
-                                   seed=config.seed, **common)
-        eval_batch = max(1, config.eval_batch_size // strategy.world)
-        test_loader = None if test_data is None else make_loader(test_data, eval_batch, train=False, **common)
-        memory.reset(strategy.cards)
-        out = Path(config.out)
-        report = Report(out, config, strategy.is_main)
-        if strategy.is_main:
-            note = f" ({strategy.devices.note})" if strategy.devices.note else ""
-            say(f"training {type(model).__name__} on {len(train_data)} samples: strategy {strategy.name}, "
-                f"{strategy.world} process(es) on {strategy.devices.kind}, global batch {config.batch_size} "
-                f"({strategy.local_batch(config.batch_size)} per process){note}")
-        model, history = fit(model, criterion, train_loader, test_loader, strategy, config, metric, report.epoch)
-        names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in strategy.cards] or ["cpu"]
-        summary = {
-            "strategy": strategy.name, "world_size": strategy.world, "launcher": strategy.job.launcher,
-            "devices": strategy.gather(names), "epochs": config.epochs, "global_batch_size": config.batch_size,
-            "per_process_batch_size": strategy.local_batch(config.batch_size),
-            **{k: history[-1][k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples")
-               if history and k in history[-1]},
-            "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
-            / max(sum(r["seconds"] for r in history), 1e-9),
-            "wall_s": time.perf_counter() - begin, "peak_memory_mb": strategy.gather(memory.peak_mb(strategy.cards)),
-            "model": type(strategy.unwrap(model)).__name__, "torch": torch.__version__,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
-        }
-        if strategy.is_main:
-            report.finish(summary, model)
-        strategy.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
-        return summary
+        # the trained (wrapped) model lives only inside this call: gone before the process group goes down
+        return train_here(strategy, model, train_data, test_data, criterion, metric, config)
     finally:
         strategy.stop()
+
+
+def train_here(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
+               criterion: Callable, metric: Callable, config: TrainConfig) -> dict:
+    begin = time.perf_counter()
+    if strategy.job.launcher == "multicard":  # spawned: tensors arrive in memory shared by all processes,
+        model = copy.deepcopy(model)  # so each process needs weights of its own (data stays shared)
+    torch.manual_seed(config.seed + strategy.rank)  # per rank: augmentation and dropout differ
+    cuda = strategy.device.type == "cuda"
+    torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
+    common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda,
+                  device=strategy.device if config.device_data else None)
+    local_batch = strategy.local_batch(config.batch_size)
+    train_loader = make_loader(train_data, local_batch, train=True, seed=config.seed, **common)
+    eval_batch = max(1, config.eval_batch_size // strategy.world)
+    test_loader = None if test_data is None else make_loader(test_data, eval_batch, train=False, **common)
+    memory.reset(strategy.cards)
+    report = Report(Path(config.out), config, strategy.is_main)
+    if strategy.is_main:
+        note = f" ({strategy.devices.note})" if strategy.devices.note else ""
+        say(f"training {type(model).__name__} on {len(train_data)} samples: strategy {strategy.name}, "
+            f"{strategy.world} process(es) on {strategy.devices.kind}, global batch {config.batch_size} "
+            f"({local_batch} per process){note}")
+    model, history = fit(model, criterion, train_loader, test_loader, strategy, config, metric, report.epoch)
+    names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in strategy.cards] or ["cpu"]
+    last = history[-1]
+    summary = {
+        "strategy": strategy.name, "world_size": strategy.world, "launcher": strategy.job.launcher,
+        "devices": strategy.gather(names), "epochs": config.epochs, "global_batch_size": config.batch_size,
+        "per_process_batch_size": local_batch,
+        **{k: last[k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples") if k in last},
+        "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
+        / max(sum(r["seconds"] for r in history), 1e-9),
+        "wall_s": time.perf_counter() - begin, "peak_memory_mb": strategy.gather(memory.peak_mb(strategy.cards)),
+        "model": type(strategy.unwrap(model)).__name__, "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
+    }
+    if strategy.is_main:
+        report.finish(summary, model)
+    strategy.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
+    return summary
 
 
 def say(line: str) -> None:

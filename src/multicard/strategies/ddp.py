@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -59,4 +60,5 @@ class DDP(Strategy):
         torch_dist.barrier(device_ids=self.cards or None)
 
     def stop(self) -> None:
+        gc.collect()  # DDP's reducer may sit in a reference cycle: free it while the group is still up
         dist.teardown()
