@@ -40,6 +40,13 @@ class FailsOnRank1(LeNet5):
         return super().forward(x)
 
 
+class RefusesOnRank1(LeNet5):
+    def forward(self, x):
+        if os.environ.get("RANK") == "1":
+            raise multicard.UsageError("rank 1 finds this input bad")
+        return super().forward(x)
+
+
 class DropoutNet(LeNet5):
     def __init__(self):
         super().__init__()
@@ -107,6 +114,12 @@ def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path):
     assert "boom on rank 1" in failure.value.trace and "Traceback" in failure.value.trace
     assert time.monotonic() - start < 60
     assert multiprocessing.active_children() == []
+
+
+def test_a_bad_input_seen_only_inside_a_process_stays_one_line(tmp_path):
+    with pytest.raises(multicard.UsageError, match="rank 1 finds this input bad"):
+        multicard.train(RefusesOnRank1(), tiny_images(32), None, strategy="ddp", devices="cpu:2", epochs=1,
+                        batch_size=16, out=str(tmp_path), **FAST)
 
 
 def test_cli_names_the_failing_rank(tmp_path):

@@ -32,3 +32,12 @@ def test_master_address_from_the_node_list():
 
 def test_backend_follows_the_device():
     assert (backend_for("cuda"), backend_for("cpu")) == ("nccl", "gloo")
+
+
+def test_a_rank_failure_crosses_process_boundaries_intact():
+    import pickle
+
+    from multicard.launch import RankFailed
+
+    again = pickle.loads(pickle.dumps(RankFailed(3, "Traceback ...\nValueError: x")))
+    assert (again.rank, again.trace) == (3, "Traceback ...\nValueError: x")

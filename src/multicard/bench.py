@@ -58,10 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def machine() -> tuple[int, int]:
     """(CUDA cards, CPU cores) of this machine, counted without starting CUDA."""
-    from .devices import count_cards
+    from .devices import count_cards, cpu_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return count_cards()[0], cores
+    return count_cards()[0], cpu_cores()
 
 
 def counts(text: str) -> list[int]:
@@ -149,22 +148,15 @@ def _data(spec: dict):
 
 def run_cell(spec: dict) -> dict:
     """One strategy cell: multicard.train, its per-epoch rates read back from metrics.jsonl."""
-    from .launch import RankFailed
     from .run import train
 
     out = Path(spec["out"])
     _quiet(out)
     model, train_data = _data(spec)
-    try:
-        summary = train(model, train_data, None, strategy=spec["strategy"], devices=spec["devices"],
-                        epochs=1 + spec["repeats"], batch_size=spec["batch"], seed=spec["seed"], augment=False,
-                        quiet=True, out=str(out), device_data=spec["fast"], precision=spec["precision"],
-                        compile=spec["compile"])
-    except RankFailed as e:  # not picklable as it is: hand back its last line, or its whole trace
-        last = e.trace.strip().splitlines()[-1] if e.trace.strip() else ""
-        if last.startswith("multicard.errors.UsageError: "):
-            raise UsageError(last.split(": ", 1)[1]) from None
-        raise RuntimeError(f"rank {e.rank} failed:\n{e.trace}") from None
+    summary = train(model, train_data, None, strategy=spec["strategy"], devices=spec["devices"],
+                    epochs=1 + spec["repeats"], batch_size=spec["batch"], seed=spec["seed"], augment=False,
+                    quiet=True, out=str(out), device_data=spec["fast"], precision=spec["precision"],
+                    compile=spec["compile"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rates": [r["samples_per_s"] for r in rows[1:]], "loss": rows[-1]["train_loss"],
             "peak_memory_mb": summary["peak_memory_mb"], "world_size": summary["world_size"],

@@ -110,10 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multicard: error: {e}", file=sys.stderr)
         return 2
     except RankFailed as e:
-        last = e.trace.strip().splitlines()[-1] if e.trace.strip() else ""
-        if last.startswith("multicard.errors.UsageError: "):  # a bad input found inside a process
-            print(f"multicard: error: {last.split(': ', 1)[1]}", file=sys.stderr)
-            return 2
         print(f"multicard: rank {e.rank} failed; its traceback:\n{e.trace.rstrip()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -63,6 +63,11 @@ def _need_cards(text: str, cards: int) -> None:
         raise UsageError(f"--devices {text}: this machine has no CUDA card; use --devices cpu or cpu:N")
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (a container or SLURM may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def count_cards() -> tuple[int, bool]:
     """How many CUDA cards are visible, and whether CUDA is still unstarted (so visibility can be set).
 

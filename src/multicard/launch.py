@@ -11,6 +11,7 @@ import socket
 from collections.abc import Callable
 
 from .dist import job_from_env
+from .errors import UsageError
 
 PORT_TRIES = 3  # a port found free can be taken by someone else before rank 0 binds it: then pick again
 
@@ -19,6 +20,9 @@ class RankFailed(Exception):
     def __init__(self, rank: int, trace: str):
         super().__init__(f"rank {rank} failed:\n{trace}")
         self.rank, self.trace = rank, trace
+
+    def __reduce__(self):
+        return RankFailed, (self.rank, self.trace)
 
 
 def free_port() -> int:
@@ -50,7 +54,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple, port: int, grace_s: float = 3)
         while not context.join(grace_period=grace_s):
             pass
     except mp.ProcessRaisedException as e:
-        raise RankFailed(e.error_index, e.msg.split("following error:\n", 1)[-1]) from None
+        trace = e.msg.split("following error:\n", 1)[-1]
+        last = trace.strip().splitlines()[-1] if trace.strip() else ""
+        if last.startswith("multicard.errors.UsageError: "):  # a bad input that only a process could see
+            raise UsageError(last.split(": ", 1)[1]) from None
+        raise RankFailed(e.error_index, trace) from None
     except mp.ProcessExitedException as e:
         how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         raise RankFailed(e.error_index, f"the process ended with {how} (see its output above)") from None

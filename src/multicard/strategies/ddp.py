@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 
 import torch
 import torch.distributed as torch_dist
@@ -11,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import dist
+from ..devices import cpu_cores
 from ..dist import Job
 from ..errors import UsageError
 from .base import Strategy
@@ -34,8 +34,7 @@ class DDP(Strategy):
         if self.devices.kind == "cuda" and job.local_rank >= self.devices.count:
             raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here")
         if self.devices.kind == "cpu":  # each process takes its share of the cores, not all of them
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // job.local_world))
+            torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
         dist.init(job, self.device.type)
 
