@@ -17,8 +17,11 @@ import multicard
 from conftest import ROOT, run_cli, tiny_images
 from multicard import launch
 from multicard.data.loaders import make_loader, set_epoch
+from multicard.devices import Devices
+from multicard.dist import Job
 from multicard.models import LeNet5
 from multicard.parity import check
+from multicard.strategies.ddp import DDP
 
 FAST = dict(quiet=True, augment=False, lr=3e-3, seed=0)
 
@@ -229,3 +232,19 @@ def test_ddp_on_one_process_needs_no_rendezvous(tmp_path, monkeypatch):
                               batch_size=16, out=str(tmp_path), **FAST)
     assert (summary["strategy"], summary["world_size"]) == ("ddp", 1)
     assert not torch.distributed.is_initialized()  # torn down again
+
+
+def test_each_process_takes_the_card_of_its_local_rank():
+    job = Job(rank=5, world=8, local_rank=1, local_world=4, launcher="torchrun")
+    assert DDP(Devices("cuda", (0, 1, 2, 3)), job).device == torch.device("cuda", 1)
+
+
+def test_a_process_shown_one_card_uses_it_whatever_its_local_rank():
+    job = Job(rank=3, world=4, local_rank=3, local_world=4, launcher="slurm")  # srun --gpus-per-task=1
+    assert DDP(Devices("cuda", (0,)), job).device == torch.device("cuda", 0)
+
+
+def test_a_local_rank_beyond_the_cards_is_one_clear_error():
+    job = Job(rank=2, world=3, local_rank=2, local_world=3, launcher="torchrun")
+    with pytest.raises(multicard.UsageError, match="local rank 2 has no card: 2 visible"):
+        DDP(Devices("cuda", (0, 1)), job).start(job)

@@ -27,12 +27,15 @@ class DDP(Strategy):
     def device(self) -> torch.device:
         if self.devices.kind == "cpu":
             return torch.device("cpu")
-        return torch.device("cuda", self.devices.ids[self.job.local_rank])
+        # a process that sees one card uses it, whatever its local rank: that is how srun --gpus-per-task=1
+        # (or a launcher that sets CUDA_VISIBLE_DEVICES per process) hands each process its own card
+        return torch.device("cuda", self.devices.ids[self.job.local_rank if self.devices.count > 1 else 0])
 
     def start(self, job: Job) -> None:
         self.job = job
-        if self.devices.kind == "cuda" and job.local_rank >= self.devices.count:
-            raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here")
+        if self.devices.kind == "cuda" and 1 < self.devices.count <= job.local_rank:
+            raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here; start "
+                             f"one process per card, or show each process one card")
         if self.devices.kind == "cpu":  # each process takes its share of the cores, not all of them
             torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
