@@ -100,6 +100,8 @@ BAD = {
     "lr-step-0": (["--lr-step", "0"], "--lr-step 0: must be at least 1"),
     "lr-negative": (["--lr", "-1"], "--lr -1.0: must be a positive number"),
     "lr-nan": (["--lr", "nan"], "--lr nan: must be a positive number"),
+    "lr-inf": (["--lr", "inf"], "--lr inf: must be a positive number"),
+    "lr-gamma-negative": (["--lr-gamma", "-3"], "--lr-gamma -3.0: must be a positive number"),
     "workers-negative": (["--workers", "-1"], "--workers -1: must be at least 0"),
 }
 OLD_FILES = {"model.pt": b"an earlier run's model\x00\x01", "metrics.jsonl": b'{"epoch": 1}\n', "summary.json": b"{}\n"}
@@ -175,3 +177,16 @@ def test_bad_input_in_a_fresh_interpreter(fresh_runs, name):
     skip_without_cards_only(name)
     result, words, out = fresh_runs[name]
     check_error(result.returncode, result.stdout, result.stderr, words, out)
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file"])
+def test_an_out_that_cannot_be_a_folder_is_one_line(where, tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_bytes(b"the user's own file")
+    out = blocker if where == "a-file" else blocker / "run"
+    from multicard.cli import main
+
+    returncode = main(["train", *CHEAP_DATA, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert returncode == 2 and err.count("\n") == 1 and err.startswith(f"multicard: error: --out {out}: "), err
+    assert blocker.read_bytes() == b"the user's own file"

@@ -239,3 +239,11 @@ def test_the_library_refuses_what_the_cli_refuses(tmp_path, override):
     with pytest.raises(UsageError):
         multicard.train(LeNet5(), tiny_images(32), None, out=str(tmp_path), **override)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_diverging_run_is_one_clear_error_and_keeps_the_earlier_run(tmp_path):
+    train_lenet(tmp_path, epochs=1)
+    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(UsageError, match=r"epoch 1: the training loss is nan: training diverged; try a smaller --lr"):
+        train_lenet(tmp_path, lr=1e9)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".part"} == earlier

@@ -5,6 +5,7 @@ This module must not import torch: `multicard --help` reads it and must answer a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .errors import UsageError
@@ -74,5 +75,6 @@ class TrainConfig:
                                    ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
-        if not self.lr > 0:
-            raise UsageError(f"--lr {self.lr}: must be a positive number")
+        for flag, value in (("--lr", self.lr), ("--lr-gamma", self.lr_gamma)):
+            if not 0 < value < math.inf:  # also refuses nan
+                raise UsageError(f"{flag} {value}: must be a positive number")

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from .config import TrainConfig
 from .data.loaders import set_epoch, to_device
+from .errors import UsageError
 from .strategies import Strategy
 
 
@@ -95,8 +96,9 @@ def fit(model: nn.Module, criterion: Callable, train_loader: DataLoader, test_lo
         if test_loader is not None:
             with autocast:
                 record.update(evaluate(forward, stats, test_loader, strategy))
-        if not math.isfinite(record["train_loss"]):
-            raise FloatingPointError(f"epoch {epoch + 1}: the training loss is {record['train_loss']}")
+        if not math.isfinite(record["train_loss"]):  # a setting made training diverge: say which one to turn
+            raise UsageError(f"epoch {epoch + 1}: the training loss is {record['train_loss']}: training diverged; "
+                             f"try a smaller --lr (this run: {config.lr:g})")
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")
         history.append(record)
         if on_epoch is not None:

@@ -37,18 +37,32 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     """
     config = replace(config or TrainConfig(), **overrides)
     config.validate()
-    if Path(config.out).exists() and not Path(config.out).is_dir():
-        raise UsageError(f"--out {config.out}: is a file; name a folder (it is created if missing)")
     job = job_from_env()
     devices = select(config.devices)
     strategy = strategies.create(config.strategy, devices, job, config.find_unused_parameters)
     strategy.local_batch(config.batch_size)  # a bad global batch fails here, before any process starts
+    if job.rank == 0:  # only rank 0 writes; last, once every other input is known good: a refused run makes nothing
+        prepare_out(config.out)
     args = (strategy, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config)
     if strategy.processes == 1:
         return worker(*args)
     launch.run(worker, strategy.processes, args)
     checkpoint.load(model, Path(config.out) / "model.pt")  # the caller's model ends trained, as with one process
     return json.loads((Path(config.out) / "summary.json").read_text())
+
+
+def prepare_out(out: str) -> None:
+    """Make the --out folder now, before any process starts: one that cannot be made or written is one line
+    here, not a traceback from rank 0 after the data has loaded."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: this user cannot write into that folder")
 
 
 def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
@@ -108,18 +122,22 @@ def say(line: str) -> None:
 
 
 class Report:
-    """What rank 0 writes into --out: a line per epoch, then the summary and the model."""
+    """What rank 0 writes into --out: a line per epoch, then the model, the metrics and the summary.
+
+    The epochs go to metrics.jsonl.part while the run lasts; it becomes metrics.jsonl only when the run ends
+    well. A run that fails or is stopped leaves an earlier run's three files in --out as they were."""
 
     def __init__(self, out: Path, config: TrainConfig, active: bool):
         self.out, self.config, self.active = out, config, active
+        self.part = out / "metrics.jsonl.part"
         if active:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.jsonl").write_text("")
+            self.part.write_text("")
 
     def epoch(self, record: dict) -> None:
         if not self.active:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
+        with open(self.part, "a") as f:
             f.write(json.dumps(record) + "\n")
         if not self.config.quiet:
             acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
@@ -128,6 +146,7 @@ class Report:
 
     def finish(self, summary: dict, model: nn.Module) -> None:
         checkpoint.save(model, self.out / "model.pt")
+        os.replace(self.part, self.out / "metrics.jsonl")
         tmp = self.out / "summary.json.part"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.out / "summary.json")
