@@ -18,6 +18,7 @@ import torch
 from multicard import data
 from multicard.data import idx, mnist5k, synthetic
 from multicard.data.images import ImageData
+from multicard.data.loaders import Shuffled
 from multicard.errors import UsageError
 
 TRAIN_IMAGES, TRAIN_LABELS = idx.SPLITS["train"]
@@ -468,3 +469,12 @@ def test_synthetic_by_name_and_bad_size():
     assert len(train) == 64 and len(test) == 1024
     with pytest.raises(UsageError, match="--synthetic-samples 0"):
         data.load("synthetic", synthetic_samples=0)
+
+
+@pytest.mark.parametrize("size, world", [(1, 1), (7, 1), (10, 3), (2, 5), (64, 4), (1000, 3)])
+def test_training_order_as_a_tensor_is_distributed_samplers_order(size, world):
+    for rank in range(world):
+        sampler = Shuffled(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            assert sampler.order().tolist() == list(sampler)  # padding (size 2 over 5 ranks) included

@@ -25,13 +25,30 @@ class ShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.world))
 
+    def order(self) -> torch.Tensor:
+        return torch.arange(self.rank, self.size, self.world)
+
+
+class Shuffled(DistributedSampler):
+    """DistributedSampler (one seeded permutation per epoch, padded to equal shards, dealt out by rank) that also
+    gives its order as one tensor, built in milliseconds where listing 262,144 indices takes about 45."""
+
+    def order(self) -> torch.Tensor:
+        """Exactly list(self), as a tensor (the test suite holds the two to that)."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        indices = torch.randperm(len(self.dataset), generator=g)
+        indices = indices.repeat(-(-self.total_size // len(indices)))[:self.total_size]  # the padding
+        return indices[self.rank:self.total_size:self.num_replicas]
+
 
 class InMemory:
-    """Batches cut straight from in-memory tensors: each epoch the sampler's order becomes one index tensor,
+    """Batches cut straight from in-memory tensors: each epoch the sampler's order comes as one index tensor,
     split into batches, each fetched by one indexing op (no DataLoader, no per-sample collation). With a
     `device`, the tensors move there once first: the fast path, with no per-step host work at all."""
 
-    def __init__(self, dataset: TensorDataset, sampler: Sampler, batch_size: int, device: torch.device | None):
+    def __init__(self, dataset: TensorDataset, sampler: Shuffled | ShardSampler, batch_size: int,
+                 device: torch.device | None):
         if device is not None:
             dataset = dataset.to(device) if isinstance(dataset, ImageData) else \
                 TensorDataset(*(t.to(device) for t in dataset.tensors))
@@ -42,8 +59,7 @@ class InMemory:
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self):
-        order = torch.tensor(list(self.sampler), device=self.device)
-        for chunk in order.split(self.batch_size):
+        for chunk in self.sampler.order().to(self.device).split(self.batch_size):
             yield self.data[chunk]
 
 
@@ -54,7 +70,7 @@ def make_loader(dataset: Dataset, batch_size: int, *, train: bool, rank: int = 0
     world size) and deals it out, so N processes see, step by step, the samples one process would see.
     A TensorDataset is served by InMemory (from `device` if given) unless loader workers are asked for."""
     if train:
-        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler = Shuffled(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     else:
         sampler = ShardSampler(len(dataset), rank, world)
     if isinstance(dataset, TensorDataset) and (device is not None or workers == 0):
