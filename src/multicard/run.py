@@ -130,8 +130,7 @@ class Report:
     def __init__(self, out: Path, config: TrainConfig, active: bool):
         self.out, self.config, self.active = out, config, active
         self.part = out / "metrics.jsonl.part"
-        if active:
-            out.mkdir(parents=True, exist_ok=True)
+        if active:  # train() made the folder (prepare_out) before any process started
             self.part.write_text("")
 
     def epoch(self, record: dict) -> None:
