@@ -65,7 +65,7 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile the model")
 
     # output
-    quiet: bool = opt(False, "no progress bar and no per-epoch lines")
+    quiet: bool = opt(False, "no progress bar, no per-epoch lines, no list of the files written")
     # a rerun with the same --out replaces that run's files
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
 

@@ -154,4 +154,5 @@ class Report:
         memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
         say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
             f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]")
-        say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")
+        if not self.config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
+            say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")
