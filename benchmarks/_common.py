@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -19,18 +18,15 @@ from pathlib import Path
 
 import torch
 
+from multicard.bench_report import cpu_name
 from multicard.data import mnist5k
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from multicard.devices import cpu_cores
 
 
 def machine(**extra) -> dict:
     """CPU model, cores, GPU and torch version, then the script's own entries (thread counts)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown")
-    return {"cpu": cpu, "cores": cores(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    return {"cpu": cpu_name(), "cores": cpu_cores(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "torch": torch.__version__, **extra}
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -25,27 +24,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import cores, interleaved, load_mnist5k, machine, parse_args, report, timed_rate
+from _common import interleaved, load_mnist5k, machine, parse_args, report, timed_rate
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
+from multicard.devices import cpu_cores
+from multicard.launch import free_port
 from multicard.models import LeNet5
 
 BATCH, LR, SEED, PROCS = 64, 1e-3, 0, 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def seed_worker(rank: int, port: int, x, y, x_test, y_test, epochs: int, result: str) -> None:
     """One process of the seed-style script."""
-    torch.set_num_threads(max(1, cores() // PROCS))
+    torch.set_num_threads(max(1, cpu_cores() // PROCS))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=PROCS)
     torch.manual_seed(SEED)
@@ -117,7 +112,7 @@ def main() -> None:
                      "per_process_batch_size": BATCH // PROCS, "optimizer": f"Adam lr {LR}", "init_seed": SEED,
                      "timed_epochs": args.epochs, "warmup_epochs": 1, "repeats": args.repeats,
                      "order": "alternated each round"},
-           hardware=machine(threads_per_process=max(1, cores() // PROCS)), out=args.out)
+           hardware=machine(threads_per_process=max(1, cpu_cores() // PROCS)), out=args.out)
 
 
 if __name__ == "__main__":
