@@ -37,4 +37,6 @@ def tiny():
     return tiny_images(96, 0), tiny_images(50, 1)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")
+def cuda(test):
+    """Marks a test `cuda` (so that `pytest -m cuda` selects it) and skips it where no card is visible."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")(test))

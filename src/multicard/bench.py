@@ -159,7 +159,8 @@ def run_cell(spec: dict) -> dict:
                     compile=spec["compile"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rates": [r["samples_per_s"] for r in rows[1:]], "loss": rows[-1]["train_loss"],
-            "peak_memory_mb": summary["peak_memory_mb"], "world_size": summary["world_size"],
+            "peak_memory_mb": summary["peak_memory_mb"], "card_used_mb": summary["card_used_mb"],
+            "world_size": summary["world_size"],
             "device_names": summary["devices"]}
 
 
@@ -199,8 +200,8 @@ def run_seed_loop(spec: dict) -> dict:
         rates.append(seen / (time.perf_counter() - start))
         loss = total / seen
     names = [f"cuda:0 {torch.cuda.get_device_name(0)}"] if cards else ["cpu"]
-    return {"rates": rates[1:], "loss": loss, "peak_memory_mb": memory.peak_mb(cards), "world_size": 1,
-            "device_names": names}
+    return {"rates": rates[1:], "loss": loss, "peak_memory_mb": memory.peak_mb(cards),
+            "card_used_mb": memory.card_used_mb(cards), "world_size": 1, "device_names": names}
 
 
 def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
@@ -210,6 +211,7 @@ def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
     return {"strategy": strategy, "devices": devices, "world_size": result["world_size"], "batch_size": batch,
             "samples_per_s": rate, "epoch_samples_per_s": result["rates"], "ms_per_step": 1000 * batch / rate,
             "peak_memory_mb": memory, "imbalance": max(memory) / statistics.mean(memory) if min(memory) > 0 else None,
+            "card_used_mb": result.get("card_used_mb", []),
             "loss": result["loss"], "device_names": result["device_names"]}
 
 

@@ -74,13 +74,24 @@ HEADER = ("cell", "devices", "batch", "samples/s", "ms/step", "scaling", "vs see
           "imbalance", "final loss", "loss parity")
 
 
+def nvml(report: dict) -> bool:
+    """Whether NVML was read in this sweep (cards, and nvidia-ml-py there): then the table has its column."""
+    return any(r.get("card_used_mb") for r in rows(report))
+
+
+def header(report: dict) -> list[str]:
+    names = [h.format(unit=unit(report)) for h in HEADER]
+    return names[:8] + ["NVML MB per card"] + names[8:] if nvml(report) else names
+
+
 def cells_text(report: dict) -> list[list[str]]:
     out = []
     for r in rows(report):
+        used = [" / ".join(f"{m:,.0f}" for m in r.get("card_used_mb", [])) or "-"] if nvml(report) else []
         out.append([r["strategy"], str(r["devices"]), str(r["batch_size"]), fmt(r["samples_per_s"], ",.0f"),
                     fmt(r["ms_per_step"], ".2f"), fmt(r["scaling_efficiency"], ".0%"),
                     fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
-                    " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), fmt(r["imbalance"], ".2f"),
+                    " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), *used, fmt(r["imbalance"], ".2f"),
                     fmt(r["loss"], ".4f"), fmt(r["loss_parity"], ".1e")])
     return out
 
@@ -101,23 +112,25 @@ def heading(report: dict) -> list[str]:
 
 
 def table(report: dict) -> str:
-    header = [h.format(unit=unit(report)) for h in HEADER]
+    names = header(report)
     body = cells_text(report)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    widths = [max(len(r[i]) for r in [names, *body]) for i in range(len(names))]
 
     def line(r: list[str]) -> str:  # the first column left-aligned, numbers right-aligned
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
 
-    return "\n".join([*heading(report), "", line(header), *(line(r) for r in body), "", PARITY_NOTE])
+    return "\n".join([*heading(report), "", line(names), *(line(r) for r in body), "", PARITY_NOTE])
 
 
 def markdown(report: dict) -> str:
-    header = [h.format(unit=unit(report)) for h in HEADER]
-    lines = [f"- {h}" for h in heading(report)] + ["", "| " + " | ".join(header) + " |",
-                                                    "|" + "---|" * len(header)]
+    names = header(report)
+    lines = [f"- {h}" for h in heading(report)] + ["", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     lines += ["| " + " | ".join(r) + " |" for r in cells_text(report)]
     memory = "torch.cuda peak allocated per card" if report["hardware"]["cards"] else \
         "peak resident memory (RSS) per process"
+    if nvml(report):
+        memory += ("; NVML: memory in use on each card at the end of the cell (tensors, the allocator's reserve, "
+                   "the CUDA context and anything else on the card)")
     many = "cards" if report["hardware"]["cards"] else "processes"
     return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over a cell's {many}. {PARITY_NOTE}."])
 

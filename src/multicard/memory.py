@@ -1,4 +1,5 @@
-"""Peak memory: per card from torch.cuda's own statistics, or per process (peak RSS) on the CPU."""
+"""Memory: per card from torch.cuda's own statistics, or per process (peak RSS) on the CPU; and, where NVML can be
+read, what the driver says is in use on each card."""
 
 from __future__ import annotations
 
@@ -21,3 +22,14 @@ def peak_mb(cards: list[int]) -> list[float]:
         return [round(torch.cuda.max_memory_allocated(card) / MB, 1) for card in cards]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return [round(rss / (MB if sys.platform == "darwin" else 1024), 1)]
+
+
+def card_used_mb(cards: list[int]) -> list[float]:
+    """Memory in use on each card now, as NVML (nvidia-smi's source) reports it: tensors, the caching allocator's
+    reserve and the CUDA context, and whatever other processes hold on that card. Read at the end of a run, while
+    the allocator still holds its reserve, it is what the run took of the card. [] where NVML cannot be read (no
+    nvidia-ml-py, no driver, no cards): it is an extra, never a reason to fail a run."""
+    try:
+        return [round(torch.cuda.device_memory_used(card) / MB, 1) for card in cards]
+    except Exception:  # noqa: BLE001 - ModuleNotFoundError, NVMLError, RuntimeError: all mean "not available"
+        return []

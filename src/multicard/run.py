@@ -108,6 +108,7 @@ def train_here(strategy: strategies.Strategy, model: nn.Module, train_data: Data
         "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
         / max(sum(r["seconds"] for r in history), 1e-9),
         "wall_s": time.perf_counter() - begin, "peak_memory_mb": strategy.gather(memory.peak_mb(strategy.cards)),
+        "card_used_mb": strategy.gather(memory.card_used_mb(strategy.cards)),  # NVML; [] where it cannot be read
         "model": type(strategy.unwrap(model)).__name__, "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
     }
@@ -152,7 +153,9 @@ class Report:
         acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
             if "test_accuracy" in summary else ""
         memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
+        used = ", ".join(f"{m:,.0f}" for m in summary["card_used_mb"])
         say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
-            f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]")
+            f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]"
+            + (f"; in use per card (NVML): [{used}]" if used else ""))
         if not self.config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
             say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")

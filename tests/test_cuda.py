@@ -1,0 +1,123 @@
+"""On a card: single, ddp over NCCL (alone and under torchrun), the fast path, memory from torch.cuda and NVML, and a
+small bench sweep. These skip without a card (`pytest -m cuda` selects them). The NVML reading and its column in
+the bench report are also tested here on the CPU, with torch's NVML call replaced."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, cuda, run_cli
+from multicard import memory
+from multicard.bench_report import markdown, table
+
+SMALL = ["--data", "synthetic", "--synthetic-samples", "512", "--epochs", "2", "--batch-size", "64", "--quiet"]
+HAS_NVML = importlib.util.find_spec("pynvml") is not None
+
+
+def summary_of(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_card_used_reads_nvml_per_card_in_mb(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda card: seen.append(card) or (card + 1) * 3 * 2**20)
+    assert memory.card_used_mb([0, 2]) == [3.0, 9.0] and seen == [0, 2]
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError("nvidia-ml-py"), RuntimeError("driver"), OSError("nvml")])
+def test_card_used_is_empty_where_nvml_cannot_be_read(monkeypatch, error):
+    def fail(card):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "device_memory_used", fail)
+    assert memory.card_used_mb([0]) == []
+    assert memory.card_used_mb([]) == []
+
+
+def report(used: list[list[float]]) -> dict:
+    def cell(name, mem, nvml):
+        return {"strategy": name, "devices": len(mem), "batch_size": 64, "samples_per_s": 1000.0, "ms_per_step": 64.0,
+                "scaling_efficiency": 1.0, "speedup_vs_baseline": None, "peak_memory_mb": mem, "card_used_mb": nvml,
+                "imbalance": 1.0, "loss": 2.3, "loss_parity": 0.0}
+
+    return {"config": {"model": "lenet5", "samples": 512, "repeats": 1, "fast_batch": 1024, "precision": "fp32",
+                       "compile": False},
+            "hardware": {"cpu": "x", "cores": 16, "cards": ["NVIDIA H100 80GB HBM3"]}, "torch": "2.x", "command": "c",
+            "date": "2026-11-22", "sweep_seconds": 1.0,
+            "cells": [cell("single", [137.0], used[0]), cell("ddp", [140.0, 141.0], used[1])]}
+
+
+def test_the_bench_table_has_an_nvml_column_only_where_nvml_was_read():
+    with_nvml = report([[612.0], [700.0, 705.0]])
+    assert "NVML MB per card" in table(with_nvml) and "700 / 705" in table(with_nvml)
+    assert "NVML: memory in use" in markdown(with_nvml)
+    header = next(line for line in markdown(with_nvml).splitlines() if line.startswith("| cell"))
+    row = next(line for line in markdown(with_nvml).splitlines() if line.startswith("| ddp"))
+    assert header.count("|") == row.count("|")  # the column is in the header and in every row
+    without = report([[], []])
+    assert "NVML" not in table(without) and "NVML" not in markdown(without)
+
+
+@cuda
+def test_single_on_the_card_reports_memory_from_the_card(tmp_path):
+    r = run_cli("train", "--devices", "0", *SMALL, "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    s = summary_of(tmp_path)
+    assert s["devices"][0].startswith("cuda:0 ") and s["world_size"] == 1
+    assert len(s["peak_memory_mb"]) == 1 and s["peak_memory_mb"][0] > 0
+    if HAS_NVML:  # what the driver sees holds at least what torch allocated, plus the context
+        assert len(s["card_used_mb"]) == 1 and s["card_used_mb"][0] > s["peak_memory_mb"][0]
+        assert "in use per card (NVML)" in r.stdout + r.stderr
+
+
+@cuda
+def test_ddp_on_one_card_runs_on_nccl_and_learns_what_single_learns(tmp_path):
+    runs = {}
+    for name in ("single", "ddp"):
+        r = run_cli("train", "--strategy", name, "--devices", "0", "--no-augment", *SMALL,
+                    "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+        runs[name] = summary_of(tmp_path / name)
+    assert runs["ddp"]["strategy"] == "ddp" and runs["ddp"]["world_size"] == 1
+    assert runs["ddp"]["train_loss"] == pytest.approx(runs["single"]["train_loss"], rel=1e-3)
+    state = torch.load(tmp_path / "ddp" / "model.pt", weights_only=True)
+    assert state and not any(k.startswith("module.") for k in state)
+
+
+@cuda
+def test_ddp_under_torchrun_on_the_card(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+                        "multicard", "train", "--strategy", "ddp", "--devices", "0", *SMALL, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = summary_of(tmp_path)
+    assert (s["launcher"], s["world_size"]) == ("torchrun", 1) and s["devices"][0].startswith("cuda:0 ")
+
+
+@cuda
+@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"], ["--precision", "bf16", "--compile"]])
+def test_fast_path_on_the_card(tmp_path, extra):
+    r = run_cli("train", "--devices", "0", "--device-data", *extra, *SMALL, "--out", str(tmp_path), timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = summary_of(tmp_path)
+    assert math.isfinite(s["train_loss"]) and s["config"]["device_data"] and s["train_samples_per_s"] > 0
+
+
+@cuda
+def test_bench_on_the_card(tmp_path):
+    r = run_cli("bench", "--out", str(tmp_path), "--samples", "2048", "--batch-size", "256", "--repeats", "1",
+                "--fast-batch", "1024", "--devices", "1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["hardware"]["cards"] and [c["strategy"] for c in rep["cells"]] == ["single", "dp", "dp-balanced", "ddp"]
+    for row in [*rep["cells"], rep["baseline"], rep["fast"]]:
+        assert row["device_names"][0].startswith("cuda:0 ") and row["peak_memory_mb"][0] > 0
+        assert len(row["card_used_mb"]) == (1 if HAS_NVML else 0)
+    assert ("NVML MB per card" in r.stdout) == HAS_NVML
