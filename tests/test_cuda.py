@@ -67,7 +67,7 @@ def test_the_bench_table_has_an_nvml_column_only_where_nvml_was_read():
 
 @cuda
 def test_single_on_the_card_reports_memory_from_the_card(tmp_path):
-    r = run_cli("train", "--devices", "0", *SMALL, "--out", str(tmp_path))
+    r = run_cli("train", "--devices", "cuda:0", *SMALL, "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     s = summary_of(tmp_path)
     assert s["devices"][0].startswith("cuda:0 ") and s["world_size"] == 1
@@ -81,7 +81,7 @@ def test_single_on_the_card_reports_memory_from_the_card(tmp_path):
 def test_ddp_on_one_card_runs_on_nccl_and_learns_what_single_learns(tmp_path):
     runs = {}
     for name in ("single", "ddp"):
-        r = run_cli("train", "--strategy", name, "--devices", "0", "--no-augment", *SMALL,
+        r = run_cli("train", "--strategy", name, "--devices", "cuda:0", "--no-augment", *SMALL,
                     "--out", str(tmp_path / name))
         assert r.returncode == 0, r.stderr
         runs[name] = summary_of(tmp_path / name)
@@ -94,7 +94,7 @@ def test_ddp_on_one_card_runs_on_nccl_and_learns_what_single_learns(tmp_path):
 @cuda
 def test_ddp_under_torchrun_on_the_card(tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-                        "multicard", "train", "--strategy", "ddp", "--devices", "0", *SMALL, "--out", str(tmp_path)],
+                        "multicard", "train", "--strategy", "ddp", "--devices", "1", *SMALL, "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     s = summary_of(tmp_path)
@@ -104,7 +104,7 @@ def test_ddp_under_torchrun_on_the_card(tmp_path):
 @cuda
 @pytest.mark.parametrize("extra", [[], ["--precision", "bf16"], ["--precision", "bf16", "--compile"]])
 def test_fast_path_on_the_card(tmp_path, extra):
-    r = run_cli("train", "--devices", "0", "--device-data", *extra, *SMALL, "--out", str(tmp_path), timeout=300)
+    r = run_cli("train", "--devices", "cuda:0", "--device-data", *extra, *SMALL, "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
     s = summary_of(tmp_path)
     assert math.isfinite(s["train_loss"]) and s["config"]["device_data"] and s["train_samples_per_s"] > 0

@@ -73,7 +73,7 @@ def test_any_card_form_without_cards_says_there_is_no_card(text):
     ("cuda:1", 1, "no card with id 1 (this machine has ids 0..0)"),
     ("7", 4, "asks for 7 cards, this machine has 4 (use 1..4)"),
     ("3", 2, "asks for 3 cards"),
-    ("0", 2, "asks for 0 cards"),
+    ("0", 2, "for the card with id 0 write cuda:0"),
 ])
 def test_bad_card_choices(text, cards, words):
     with pytest.raises(UsageError) as e:
