@@ -42,10 +42,10 @@ def parse(text: str, cards: int) -> Devices:
         return Devices("cuda", tuple(range(cards)))
     if re.fullmatch(r"-?\d+", t):
         n = int(t)
+        _need_cards(text, cards)
         if n == 0:  # CUDA_VISIBLE_DEVICES=0 habit: the user most likely means the card with id 0
             raise UsageError(f"--devices {text}: a number here counts cards (at least 1); for the card with id 0 "
                              f"write cuda:0")
-        _need_cards(text, cards)
         if not 1 <= n <= cards:
             raise UsageError(f"--devices {text}: asks for {n} cards, this machine has {cards} (use 1..{cards})")
         return Devices("cuda", tuple(range(n)))
