@@ -24,7 +24,7 @@ for s in $steps; do
     env) step env 60 bash -c "date -u; nvidia-smi; $py -c 'import sys, torch; print(sys.version); \
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; git log -1 --format=%H 2>/dev/null";;
     cuda-tests) step cuda-tests 300 $py -m pytest -p no:cacheprovider -m cuda -v -rs;;
-    suite) step suite 400 $py -m pytest -p no:cacheprovider -q -rs;;
+    suite) step suite 240 $py -m pytest -p no:cacheprovider -q -rs;;
     train) step train 300 bash -c "$mc train --devices 1 --out /tmp/train-single && \
 $mc train --strategy dp --devices 1 --out /tmp/train-dp && $mc train --strategy dp-balanced --devices 1 --out /tmp/train-bal && \
 $mc train --strategy ddp --devices 1 --out /tmp/train-ddp";;

@@ -15,6 +15,7 @@ from multicard.errors import UsageError
 
 TINY = ("--samples", "128", "--batch-size", "32", "--repeats", "1", "--strategies", "single,ddp", "--devices", "1,2",
         "--fast-batch", "64")
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU sweep also where the machine has a card
 CELL_KEYS = {"strategy", "devices", "world_size", "samples_per_s", "ms_per_step", "scaling_efficiency",
              "peak_memory_mb", "imbalance", "loss", "loss_parity", "speedup_vs_baseline"}
 
@@ -22,7 +23,7 @@ CELL_KEYS = {"strategy", "devices", "world_size", "samples_per_s", "ms_per_step"
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = run_cli("bench", "--out", str(out), *TINY, env={"OMP_NUM_THREADS": "1"}, timeout=240)
+    result = run_cli("bench", "--out", str(out), *TINY, env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=240)
     assert result.returncode == 0, result.stderr
     return out, result.stdout
 
@@ -97,7 +98,7 @@ def test_bad_sweeps_are_rejected_before_anything_runs(given, cards, message):
 
 
 def test_bad_sweep_on_the_command_line_is_one_line_and_exit_2(tmp_path):
-    result = run_cli("bench", "--out", str(tmp_path / "b"), "--strategies", "dp")
+    result = run_cli("bench", "--out", str(tmp_path / "b"), "--strategies", "dp", env=CPU_ONLY)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("multicard: error: --strategies dp: dp needs CUDA cards")

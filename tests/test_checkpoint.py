@@ -30,8 +30,8 @@ def lenet(seed: int = 0) -> LeNet5:
 
 
 def same_weights(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    sa, sb = a.state_dict(), b.state_dict()  # on the CPU: where there is a card, DataParallel moved one there
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 def one_line_error(model: nn.Module, path) -> str:

@@ -141,20 +141,21 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.4))
+    counts = sorted({c["devices"] for c in report["cells"]} | {1})
     for marker, strategy in zip("osD^v", dict.fromkeys(c["strategy"] for c in report["cells"]), strict=False):
         mine = [c for c in report["cells"] if c["strategy"] == strategy]
+        rate = f" ({mine[0]['samples_per_s']:,.0f}/s)" if len(counts) == 1 else ""  # one count: labels would overlap
         left.plot([c["devices"] for c in mine], [c["samples_per_s"] for c in mine], marker + "-", markersize=8,
-                  alpha=0.8, label=strategy)
+                  alpha=0.8, label=strategy + rate)
     for key, style, name in (("fast", ":", "single fast path"), ("baseline", "--", "seeds' plain loop")):
         if key in report:  # one-device references: levels to read the strategies against
             rate = report[key]["samples_per_s"]
             left.axhline(rate, color="green" if key == "fast" else "grey", linestyle=style,
                          label=f"{name} ({rate:,.0f}/s)")
-    for c in report["cells"]:
+    for c in report["cells"] if len(counts) > 1 else []:
         left.annotate(f"{c['samples_per_s']:,.0f}", (c["devices"], c["samples_per_s"]), fontsize=7,
                       textcoords="offset points", xytext=(8, -3))
-    counts = sorted({c["devices"] for c in report["cells"]} | {1})
     left.set(xticks=counts, xlabel="devices" if report["hardware"]["cards"] else "CPU processes",
              ylabel="training samples/s (median epoch)", title="throughput")
     values = [r["samples_per_s"] for r in rows(report)]
@@ -163,7 +164,7 @@ def plot(report: dict, path: Path) -> None:
     else:
         left.set_ylim(0, 1.12 * max(values))  # room above the top point for its label
     left.grid(alpha=0.3)
-    left.legend()
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)  # below: never over a line
     measured = rows(report)
     most = max(len(r["peak_memory_mb"]) for r in measured)
     width = 0.8 / most
