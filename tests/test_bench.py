@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from multicard import bench
 from multicard.bench_report import derive
 from multicard.errors import UsageError
@@ -35,6 +37,8 @@ def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
     assert report["config"]["strategies"] == "single,ddp" and report["config"]["repeats"] == 1
     assert report["hardware"]["cores"] >= 2 and report["hardware"]["cards"] == [] and report["hardware"]["cpu"]
     assert "bench" in report["command"] and "--samples 128" in report["command"]
+    if (Path(ROOT) / ".git").exists():  # the tests run from a checkout: its commit is recorded
+        assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", report["multicard_commit"])
     cells = report["cells"]
     assert [(c["strategy"], c["devices"], c["world_size"]) for c in cells] == [("single", 1, 1), ("ddp", 1, 1),
                                                                                 ("ddp", 2, 2)]

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +26,19 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def commit() -> str | None:
+    """The multicard checkout's commit, "-dirty" when it has uncommitted changes; None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12", "--exclude=*"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def command() -> str:
@@ -55,7 +69,7 @@ def build(args: argparse.Namespace, results: dict, cards: int, cores: int, secon
     derive(results)
     config = {k: v for k, v in vars(args).items() if k not in ("run", "command")}
     names = [torch.cuda.get_device_name(i) for i in range(cards)]
-    return {"config": config, "torch": torch.__version__,
+    return {"config": config, "torch": torch.__version__, "multicard_commit": commit(),
             "hardware": {"cpu": cpu_name(), "cores": cores, "cards": names},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command(),
             "sweep_seconds": round(seconds, 1), **results}
@@ -105,7 +119,8 @@ def heading(report: dict) -> list[str]:
     cards = ", ".join(hw["cards"]) or "no GPU"
     c = report["config"]
     return [f"hardware: {hw['cpu']}, {hw['cores']} cores, {cards}; torch {report['torch']}",
-            f"command: {report['command']}", f"date: {report['date']} (sweep took {report['sweep_seconds']} s)",
+            f"command: {report['command']}", f"date: {report['date']} (sweep took {report['sweep_seconds']} s); "
+            f"multicard {report.get('multicard_commit') or 'installed copy, commit unknown'}",
             f"model {c['model']} on {c['samples']} synthetic samples per epoch; 1 warm-up + {c['repeats']} timed "
             f"epochs, median reported; fast path: data on the device, batch {c['fast_batch']}, {c['precision']}"
             + (", torch.compile" if c["compile"] else "")]
