@@ -211,7 +211,7 @@ def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
     return {"strategy": strategy, "devices": devices, "world_size": result["world_size"], "batch_size": batch,
             "samples_per_s": rate, "epoch_samples_per_s": result["rates"], "ms_per_step": 1000 * batch / rate,
             "peak_memory_mb": memory, "imbalance": max(memory) / statistics.mean(memory) if min(memory) > 0 else None,
-            "card_used_mb": result.get("card_used_mb", []),
+            "card_used_mb": result["card_used_mb"],
             "loss": result["loss"], "device_names": result["device_names"]}
 
 

@@ -99,9 +99,9 @@ def header(report: dict) -> list[str]:
 
 
 def cells_text(report: dict) -> list[list[str]]:
-    out = []
-    for r in rows(report):
-        used = [" / ".join(f"{m:,.0f}" for m in r.get("card_used_mb", [])) or "-"] if nvml(report) else []
+    out, with_nvml = [], nvml(report)
+    for r in rows(report):  # .get: bench.json files written before the NVML column have no card_used_mb
+        used = [" / ".join(f"{m:,.0f}" for m in r.get("card_used_mb", [])) or "-"] if with_nvml else []
         out.append([r["strategy"], str(r["devices"]), str(r["batch_size"]), fmt(r["samples_per_s"], ",.0f"),
                     fmt(r["ms_per_step"], ".2f"), fmt(r["scaling_efficiency"], ".0%"),
                     fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),

@@ -33,5 +33,5 @@ def card_used_mb(cards: list[int]) -> list[float]:
     (no nvidia-ml-py, no driver, no cards): it is an extra, never a reason to fail a run."""
     try:
         return [round(torch.cuda.device_memory_used(card) / MB, 1) for card in cards]
-    except Exception:  # noqa: BLE001 - ModuleNotFoundError, NVMLError, RuntimeError: all mean "not available"
+    except Exception:  # ModuleNotFoundError, NVMLError, RuntimeError, ...: all mean "not available here"
         return []
