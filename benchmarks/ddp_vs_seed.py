@@ -32,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import multicard
 from multicard.devices import cpu_cores
-from multicard.launch import free_port
+from multicard.launcher import free_port
 from multicard.models import LeNet5
 
 BATCH, LR, SEED, PROCS = 64, 1e-3, 0, 2

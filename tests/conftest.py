@@ -8,8 +8,10 @@ import sys
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from multicard.data.images import ImageData
+from multicard.data.loaders import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,3 +42,12 @@ def tiny():
 def cuda(test):
     """Marks a test `cuda` (so that `pytest -m cuda` selects it) and skips it where no card is visible."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")(test))
+
+
+def sharded(dataset, batch: int, *, train: bool = True, rank: int = 0, world: int = 1, seed: int = 0, workers: int = 0,
+            shuffle: bool = True, **options):
+    """What setup_dataloader makes of DataLoader(dataset, batch) in process `rank` of `world` (batch: global)."""
+    loader = DataLoader(dataset, batch, shuffle=shuffle, num_workers=workers,
+                        generator=torch.Generator().manual_seed(seed) if shuffle else None)
+    return shard(loader, train=train, rank=rank, world=world, device=torch.device("cpu"),
+                 local_batch=lambda b: b // world, seed=seed, **options)

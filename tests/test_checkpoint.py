@@ -109,13 +109,13 @@ def test_a_folder_is_not_a_checkpoint(tmp_path):
 def test_not_a_checkpoint(tmp_path, content):
     path = tmp_path / "model.pt"
     path.write_bytes(content)
-    assert "not a readable PyTorch state_dict" in one_line_error(lenet(), path)
+    assert "not a readable PyTorch checkpoint" in one_line_error(lenet(), path)
 
 
 def test_a_pickled_whole_model_is_refused_without_running_its_pickle(tmp_path):
     path = tmp_path / "model.pt"
     torch.save(lenet(), path)  # the whole module: weights_only loading refuses it
-    assert "not a readable PyTorch state_dict" in one_line_error(lenet(), path)
+    assert "not a readable PyTorch checkpoint" in one_line_error(lenet(), path)
 
 
 @pytest.mark.parametrize("obj", [[torch.zeros(2)], {"weight": 3}, {"epoch": 3, "state": {"w": torch.zeros(1)}}],

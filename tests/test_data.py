@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from multicard import data
 from multicard.data import idx, mnist5k, synthetic
 from multicard.data.images import ImageData
-from multicard.data.loaders import Shuffled
+from multicard.data.loaders import GlobalOrder
 from multicard.errors import UsageError
 
 TRAIN_IMAGES, TRAIN_LABELS = idx.SPLITS["train"]
@@ -474,7 +475,9 @@ def test_synthetic_by_name_and_bad_size():
 @pytest.mark.parametrize("size, world", [(1, 1), (7, 1), (10, 3), (2, 5), (64, 4), (1000, 3)])
 def test_training_order_as_a_tensor_is_distributed_samplers_order(size, world):
     for rank in range(world):
-        sampler = Shuffled(range(size), num_replicas=world, rank=rank, shuffle=True, seed=5)
+        ours, torchs = GlobalOrder(size, rank, world, seed=5), DistributedSampler(range(size), world, rank, seed=5)
         for epoch in range(3):
-            sampler.set_epoch(epoch)
-            assert sampler.order().tolist() == list(sampler)  # padding (size 2 over 5 ranks) included
+            ours.set_epoch(epoch)
+            torchs.set_epoch(epoch)
+            assert ours.order().tolist() == list(ours) == list(torchs)  # padding (size 2 over 5 ranks) included
+            assert len(ours) == len(torchs)

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import multicard
-from conftest import ROOT, run_cli, tiny_images
-from multicard import launch
-from multicard.data.loaders import make_loader, set_epoch
+from conftest import ROOT, run_cli, sharded, tiny_images
+from multicard import launcher
 from multicard.devices import Devices
 from multicard.dist import Job
 from multicard.models import LeNet5
@@ -67,31 +66,28 @@ def evaluate_alone(path, test) -> float:
 
 def test_training_deals_one_global_permutation_over_ranks():
     data = tiny_images(40)
-    one = make_loader(data, 8, train=True, seed=3)
-    two = [make_loader(data, 4, train=True, rank=r, world=2, seed=3) for r in range(2)]
-    for epoch in (0, 1):
-        for loader in (one, *two):
-            set_epoch(loader, epoch)
+    one = sharded(data, 8, seed=3)
+    two = [sharded(data, 8, rank=r, world=2, seed=3) for r in range(2)]
+    for _epoch in (0, 1):  # each pass is the next epoch, in every process
         steps_one = [sorted(y.tolist()) for _, y in one]
         steps_two = [sorted(a.tolist() + b.tolist()) for (_, a), (_, b) in zip(*two, strict=True)]
         assert steps_one == steps_two  # step k on 2 ranks = step k on one process
-    set_epoch(one, 0)
+    one.set_epoch(0)
     first = [y.tolist() for _, y in one]
-    set_epoch(one, 1)
-    assert first != [y.tolist() for _, y in one]  # set_epoch reshuffles
+    assert first != [y.tolist() for _, y in one]  # the next pass reshuffles
 
 
 def test_loader_workers_serve_the_same_batches_as_in_memory_indexing():
     labels = []
     for workers in (0, 1):
-        loader = make_loader(tiny_images(40), 8, train=True, rank=1, world=2, seed=5, workers=workers)
-        set_epoch(loader, 2)
+        loader = sharded(tiny_images(40), 8, rank=1, world=2, seed=5, workers=workers)
+        loader.set_epoch(2)
         labels.append(torch.cat([y for _, y in loader]))
     assert torch.equal(*labels) and len(labels[0]) == 20
 
 
 def test_exact_evaluation_shards_count_every_sample_once():
-    shards = [list(make_loader(tiny_images(1000), 64, train=False, rank=r, world=3).sampler) for r in range(3)]
+    shards = [list(sharded(tiny_images(1000), 64, train=False, rank=r, world=3).sampler) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(1000))
 
 
@@ -110,7 +106,7 @@ def test_three_processes_train_and_evaluate_exactly(tmp_path):
 
 def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path):
     start = time.monotonic()
-    with pytest.raises(launch.RankFailed) as failure:
+    with pytest.raises(launcher.RankFailed) as failure:
         multicard.train(FailsOnRank1(), tiny_images(64), None, strategy="ddp", devices="cpu:2",
                         epochs=1, batch_size=16, out=str(tmp_path), **FAST)
     assert failure.value.rank == 1
@@ -141,16 +137,13 @@ def test_cli_names_the_failing_rank(tmp_path):
     assert "ChildFailedError" not in out.stderr
 
 
-def test_a_taken_port_does_not_break_the_launch(tmp_path, monkeypatch):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        ports = iter([port])  # the first pick is a port someone else holds: the launch must pick again
-        real = launch.free_port
-        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
-        summary = multicard.train(LeNet5(), tiny_images(64), None, strategy="ddp", devices="cpu:2",
-                                  epochs=1, batch_size=16, out=str(tmp_path), **FAST)
+def test_the_launch_picks_no_port_in_advance(tmp_path, monkeypatch):
+    def picked(*args):
+        raise AssertionError("a port picked in advance can be taken before rank 0 binds it")
+
+    monkeypatch.setattr(launcher, "free_port", picked)  # the store is held by the launcher, on a port the OS gave
+    summary = multicard.train(LeNet5(), tiny_images(64), None, strategy="ddp", devices="cpu:2",
+                              epochs=1, batch_size=16, out=str(tmp_path), **FAST)
     assert summary["world_size"] == 2
 
 
@@ -170,7 +163,7 @@ def test_parity_names_dropout_as_the_cause(monkeypatch):
 
 
 def free_port() -> str:
-    return str(launch.free_port())
+    return str(launcher.free_port())
 
 
 def summary_of(path) -> dict:

@@ -37,7 +37,7 @@ def test_backend_follows_the_device():
 def test_a_rank_failure_crosses_process_boundaries_intact():
     import pickle
 
-    from multicard.launch import RankFailed
+    from multicard.launcher import RankFailed
 
     again = pickle.loads(pickle.dumps(RankFailed(3, "Traceback ...\nValueError: x")))
     assert (again.rank, again.trace) == (3, "Traceback ...\nValueError: x")

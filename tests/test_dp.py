@@ -5,6 +5,7 @@ weighted combination, the gradients, the loop. The CUDA tests train a few steps 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ from torch import nn
 
 from conftest import cuda, run_cli, tiny_images
 from multicard.config import TrainConfig
-from multicard.data.loaders import make_loader
 from multicard.devices import Devices
 from multicard.dist import Job
 from multicard.errors import UsageError
-from multicard.loop import fit
+from multicard.front import Multicard
+from multicard.loop import accuracy
 from multicard.models.lenet import LeNet5
+from multicard.run import worker
 from multicard.strategies import STRATEGIES, choose
 from multicard.strategies.balanced import Balanced, ParallelCriterion, ParallelModel, PerCard, Primitives, rows, split
 from multicard.strategies.dp import DP
@@ -180,32 +182,45 @@ def test_a_plain_output_passes_straight_to_the_criterion():
 
 
 class CPUBalanced(Balanced):
-    """dp-balanced's own wrap / unwrap, over three "cards" that are the CPU."""
+    """dp-balanced's own model and criterion, over three "cards" that are the CPU (no CUDA card is reported)."""
 
-    primitives = CPU
-    cards = ["cpu"] * 3
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return ParallelModel(model, ["cpu"] * 3, CPU)
 
-    def synchronize(self) -> None:
-        pass
+    def wrap_loss(self, fn):
+        return ParallelCriterion(fn, ["cpu"] * 3, CPU)
 
 
-def test_the_loop_learns_what_one_device_learns():
+def test_the_trainer_learns_what_one_device_learns(tmp_path):
     train, test = tiny_images(96, 0), tiny_images(50, 1)
-    config = TrainConfig(epochs=2, batch_size=10, quiet=True)  # 10 = 4 + 4 + 2 per step; the last batch 6
+    config = TrainConfig(epochs=2, batch_size=10, quiet=True, augment=False)  # 10 = 4 + 4 + 2 per step; last 6
     results = []
     for strategy in (Single(Devices("cpu", (0,))), CPUBalanced(Devices("cpu", (0,)))):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(), nn.Linear(32, 10))
-        loaders = make_loader(train, strategy.local_batch(10), train=True), make_loader(test, 1000, train=False)
-        wrapped, history = fit(model, nn.CrossEntropyLoss(), *loaders, strategy, config)
-        assert strategy.unwrap(wrapped) is model
-        results.append((history, model.state_dict()))
+        out = tmp_path / strategy.name
+        out.mkdir()
+        summary = Multicard(strategy).launch(worker, model, train, test, nn.CrossEntropyLoss(), accuracy,
+                                             replace(config, out=str(out)))
+        assert summary["strategy"] == strategy.name
+        results.append(([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+                        model.state_dict()))
     (h1, w1), (h3, w3) = results
     for a, b in zip(h1, h3, strict=True):
         for key in ("train_loss", "test_loss", "test_accuracy"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
     for key in w1:
         torch.testing.assert_close(w3[key], w1[key], rtol=1e-4, atol=1e-5)
+
+
+def test_evaluation_joins_the_outputs_on_the_first_card():
+    x, _ = batch(10)
+    model = ParallelModel(Net(), ["cpu"] * 3, CPU)
+    assert isinstance(model(x), PerCard)  # training: left on their cards
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), model.module(x))  # a test function's outputs.argmax(1) works
+    model.eval()
+    torch.testing.assert_close(model(x), model.module(x))
 
 
 @pytest.mark.parametrize("cls", [DP, Balanced])
@@ -260,8 +275,9 @@ def test_cuda_steps_match_one_card(name, monkeypatch):
         torch.manual_seed(0)
         ref, model = LeNet5(), LeNet5()
         model.load_state_dict(ref.state_dict())
-        one, many = Single(Devices("cuda", (0,))), STRATEGIES[name](Devices("cuda", ids))
-        (m1, f1), (m2, f2) = one.setup(ref, nn.CrossEntropyLoss()), many.setup(model, nn.CrossEntropyLoss())
+        one, many = Multicard(Single(Devices("cuda", (0,)))), Multicard(STRATEGIES[name](Devices("cuda", ids)))
+        m1, m2 = one.setup(ref), many.setup(model)
+        f1, f2 = one.setup_criterion(nn.CrossEntropyLoss()), many.setup_criterion(nn.CrossEntropyLoss())
         o1, o2 = torch.optim.SGD(m1.parameters(), lr=0.1), torch.optim.SGD(m2.parameters(), lr=0.1)
         x, y = tiny_images(33, 2)[:]
         for step in range(3):  # 11 samples per step: uneven over 2 or more cards

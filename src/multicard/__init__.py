@@ -1,4 +1,4 @@
-"""multicard: one training loop for one CPU, one card or many cards (single, dp, dp-balanced, ddp).
+"""multicard: your training loop on one CPU, one card or many cards (single, dp, dp-balanced, ddp).
 
 The names below load on first use, so that `multicard --help` does not wait for torch.
 """
@@ -6,8 +6,9 @@ The names below load on first use, so that `multicard --help` does not wait for 
 from importlib import import_module
 
 __version__ = "0.1.0"
-_HOME = {"train": "run", "TrainConfig": "config", "UsageError": "errors", "save": "checkpoint",
-         "load": "checkpoint", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
+_HOME = {"Multicard": "front", "launch": "front", "train": "run", "TrainConfig": "config", "UsageError": "errors",
+         "save": "checkpoint", "load": "checkpoint", "MODELS": "models", "register": "models",
+         "STRATEGIES": "strategies"}
 __all__ = sorted(_HOME)
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,31 +29,97 @@ def unprefixed(state: dict) -> dict:
 
 
 def save(model: nn.Module, path: str | Path) -> Path:
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a checkpoint."""
+    """The model's plain state_dict, written atomically."""
+    return write_atomic(plain_state(model), path)
+
+
+def write_atomic(obj: Any, path: str | Path) -> Path:
+    """torch.save into a temporary file beside `path`, then rename: a crash never leaves half a file. The file
+    gets this user's usual mode (umask), as any file they write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".part")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(plain_state(model), f)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
 
-def load(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load a checkpoint into `model` (prefixed keys from other tools are accepted); bad files: one line."""
+def read(path: str | Path) -> Any:
+    """torch.load with weights_only=True onto the CPU; a missing or foreign file is one line."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path}: no such file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a foreign or damaged file
-        raise UsageError(f"checkpoint {path}: not a readable PyTorch state_dict ({type(e).__name__})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
+
+
+def is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def save_state(path: str | Path, state: dict[str, Any]) -> Path:
+    """{name: object} to one file: modules as plain state_dicts (no wrapper prefix), anything with a
+    state_dict() (optimizers, schedulers, scalers) as that, other values (epoch numbers, ...) as they are."""
+    if not isinstance(state, dict):
+        raise UsageError(f"save takes a dict of names to objects, not {type(state).__name__}")
+    return write_atomic({k: stateful_state(v) for k, v in state.items()}, path)
+
+
+def stateful_state(obj: Any) -> Any:
+    if isinstance(obj, nn.Module):
+        return plain_state(obj)
+    return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+
+
+def load_state(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Load a save_state file into the objects of `state` (modules, optimizers, ...), replace its plain
+    values, and return what the file holds besides the objects restored. A model's plain state_dict (a
+    model.pt) loads into the one module of `state`."""
+    raw = read(path)
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    if is_state_dict(raw) and len(modules) == 1 and modules[0] not in raw:
+        raw = {modules[0]: raw}
+    if not isinstance(raw, dict):
+        raise UsageError(f"checkpoint {path}: holds no dict of saved objects")
+    if lacking := [k for k in state if k not in raw]:
+        held = ", ".join(map(repr, raw)) or "nothing"
+        raise UsageError(f"checkpoint {path}: has no {lacking[0]!r} (it holds {held})")
+    restored = set()
+    for key, obj in state.items():
+        if isinstance(obj, nn.Module):
+            load_into(obj, raw[key], f"checkpoint {path}, {key!r}")
+        elif callable(getattr(obj, "load_state_dict", None)):
+            try:
+                obj.load_state_dict(raw[key])
+            except (ValueError, KeyError, RuntimeError, TypeError) as e:
+                raise UsageError(f"checkpoint {path}: {key!r} does not fit ({e})") from None
+        else:
+            state[key] = raw[key]
+            continue
+        restored.add(key)
+    return {k: v for k, v in raw.items() if k not in restored}
+
+
+def load(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a checkpoint into `model` (prefixed keys from other tools are accepted); bad files: one line."""
+    state = read(path)
+    if not is_state_dict(state):
         raise UsageError(f"checkpoint {path}: holds no state_dict of tensors")
+    return load_into(model, state, f"checkpoint {path}")
+
+
+def load_into(model: nn.Module, state: Any, what: str) -> nn.Module:
+    """A state_dict into `model`, after checking every name and shape: a mismatch is one line, and leaves the
+    model as it was."""
+    if not is_state_dict(state):
+        raise UsageError(f"{what}: holds no state_dict of tensors")
     state = unprefixed(state)
     own = model.state_dict()
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
@@ -60,7 +127,7 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
     if missing or extra or wrong:
         first = (missing and f"missing {missing[0]}") or (extra and f"unexpected {extra[0]}") or \
             f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"
-        raise UsageError(f"checkpoint {path}: does not fit the model "
+        raise UsageError(f"{what}: does not fit the model "
                          f"({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; {first})")
     model.load_state_dict(state)
     return model

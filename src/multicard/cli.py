@@ -1,4 +1,4 @@
-"""The command line: multicard train | check | env. Flags come from the TrainConfig fields.
+"""The command line: multicard train | run | check | bench | env. Flags come from the TrainConfig fields.
 
 Imports stay light here (no torch at module level): `multicard --help` must answer at once.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from .config import TrainConfig
+from .config import STRATEGIES, TrainConfig
 from .errors import UsageError
 
 
@@ -59,6 +59,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from . import strategies
+    from .devices import select
+    from .dist import job_from_env
+    from .front import job_choice
+    from .launcher import run_command
+
+    if not args.script:
+        raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
+    if not args.module and not os.path.isfile(args.script):
+        raise UsageError(f"run: no such script {args.script}")
+    command = ["-m"] * args.module + [args.script, *args.args]
+    job = job_from_env()
+    if job.launched:
+        raise UsageError(f"run: this shell is one process of a job already ({job.launcher} set RANK); start the "
+                         f"script directly, or unset RANK and WORLD_SIZE")
+    strategy = strategies.create(args.strategy, select(args.devices), job)
+    return run_command([sys.executable, *command], strategy.processes, job_choice(strategy))
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import platform
 
@@ -89,6 +109,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
     c.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed weight difference (default: 1e-4)")
     c.set_defaults(run=cmd_check)
+    r = sub.add_parser("run", help="run your own script (one using multicard.Multicard) in every process it needs",
+                       description="Start SCRIPT (or -m MODULE) as every process of a job on this machine, like "
+                       "torchrun; multicard.Multicard() inside picks the job up. The first failure stops all.")
+    r.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                   help="auto (ddp on 2+ devices, else single), single, ddp, dp or dp-balanced (default: auto)")
+    r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
+                   "(default: auto)")
+    r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
+    r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
+    r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    r.set_defaults(run=cmd_run)
     e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
     e.set_defaults(run=cmd_env)
     from . import bench
@@ -102,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .launch import RankFailed
+    from .launcher import RankFailed
 
     try:
         return args.run(args)

@@ -22,7 +22,8 @@ STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced")
 @dataclass
 class TrainConfig:
     # what to train
-    model: str = opt("lenet5", "model name from the registry (multicard.models.MODELS)")
+    model: str = opt("lenet5", "lenet5, resnet8, another registered name, or your own: file.py:Class or "
+                     "package.module:Class")
     data: str = opt("mnist-5k", "mnist-5k (embedded), mnist, fashion-mnist or synthetic")
     # mnist / fashion-mnist IDX files are looked for directly in this folder
     data_dir: str | None = opt(None, "folder holding the four IDX files of mnist / fashion-mnist")

@@ -1,10 +1,10 @@
-"""train(): the library's entry point. Picks the strategy, launches its processes, runs the loop in each,
-and has rank 0 write metrics.jsonl, summary.json and model.pt."""
+"""train(): the library's entry point and the body of `multicard train`. A client of the front object like any
+user's script: Multicard picks the strategy and launches the processes, and each one sets up the model, the
+criterion and the loaders with it, runs the loop, and has rank 0 write metrics.jsonl, summary.json and model.pt.
+"""
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import time
 from collections.abc import Callable
@@ -14,16 +14,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
-from tqdm import tqdm
+from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint, launch, memory, strategies
+from . import checkpoint
 from .config import TrainConfig
-from .data.loaders import make_loader
-from .devices import select
-from .dist import job_from_env
 from .errors import UsageError
+from .front import Multicard
 from .loop import accuracy, fit
+from .report import Report, say
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -37,18 +35,15 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     """
     config = replace(config or TrainConfig(), **overrides)
     config.validate()
-    job = job_from_env()
-    devices = select(config.devices)
-    strategy = strategies.create(config.strategy, devices, job, config.find_unused_parameters)
-    strategy.local_batch(config.batch_size)  # a bad global batch fails here, before any process starts
-    if job.rank == 0:  # only rank 0 writes; last, once every other input is known good: a refused run makes nothing
-        prepare_out(config.out)
-    args = (strategy, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config)
-    if strategy.processes == 1:
-        return worker(*args)
-    launch.run(worker, strategy.processes, args)
-    checkpoint.load(model, Path(config.out) / "model.pt")  # the caller's model ends trained, as with one process
-    return json.loads((Path(config.out) / "summary.json").read_text())
+    mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
+                   find_unused_parameters=config.find_unused_parameters)
+    mc.local_batch(config.batch_size, "--batch-size")  # a bad global batch fails here, before any process starts
+    if mc.job.rank == 0:  # only rank 0 writes; last, once every other input is known good: a refused run makes
+        prepare_out(config.out)  # nothing
+    summary = mc.launch(worker, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config)
+    if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
+        checkpoint.load(model, Path(config.out) / "model.pt")  # up trained too, as with one process
+    return summary
 
 
 def prepare_out(out: str) -> None:
@@ -65,97 +60,60 @@ def prepare_out(out: str) -> None:
         raise UsageError(f"--out {out}: this user cannot write into that folder")
 
 
-def worker(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
-           criterion: Callable, metric: Callable, config: TrainConfig) -> dict:
-    """The body of every training process: start, train, report, and always stop (process group down)."""
-    try:
-        strategy.start(job_from_env())
-        # the trained (wrapped) model lives only inside this call: gone before the process group goes down
-        return train_here(strategy, model, train_data, test_data, criterion, metric, config)
-    finally:
-        strategy.stop()
-
-
-def train_here(strategy: strategies.Strategy, model: nn.Module, train_data: Dataset, test_data: Dataset | None,
-               criterion: Callable, metric: Callable, config: TrainConfig) -> dict:
+def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Dataset | None, criterion: Callable,
+           metric: Callable, config: TrainConfig) -> dict:
+    """The body of every training process: the seeds' recipe (Adam, StepLR) on the user's model and data."""
     begin = time.perf_counter()
-    if strategy.job.launcher == "multicard":  # spawned: tensors arrive in memory shared by all processes,
-        model = copy.deepcopy(model)  # so each process needs weights of its own (data stays shared)
-    torch.manual_seed(config.seed + strategy.rank)  # per rank: augmentation and dropout differ
-    cuda = strategy.device.type == "cuda"
+    torch.manual_seed(config.seed + mc.rank)  # per rank: augmentation and dropout differ
+    cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
-    common = dict(rank=strategy.rank, world=strategy.world, workers=config.workers, pin_memory=cuda,
-                  device=strategy.device if config.device_data else None)
-    local_batch = strategy.local_batch(config.batch_size)
-    train_loader = make_loader(train_data, local_batch, train=True, seed=config.seed, **common)
-    eval_batch = max(1, config.eval_batch_size // strategy.world)
-    test_loader = None if test_data is None else make_loader(test_data, eval_batch, train=False, **common)
-    memory.reset(strategy.cards)
-    report = Report(Path(config.out), config, strategy.is_main)
-    if strategy.is_main:
-        note = f" ({strategy.devices.note})" if strategy.devices.note else ""
-        say(f"training {type(model).__name__} on {len(train_data)} samples: strategy {strategy.name}, "
-            f"{strategy.world} process(es) on {strategy.devices.kind}, global batch {config.batch_size} "
-            f"({local_batch} per process){note}")
-    model, history = fit(model, criterion, train_loader, test_loader, strategy, config, metric, report.epoch)
-    names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in strategy.cards] or ["cpu"]
+    model = mc.setup(model)
+    optimizer = adam(list(model.parameters()), config.lr)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step, gamma=config.lr_gamma)
+    loss_fn = mc.setup_criterion(criterion)
+    stats = mc.setup_criterion(lambda out, y: torch.stack([criterion(out, y).double(), metric(out, y).double()]))
+    shuffled = torch.Generator().manual_seed(config.seed)  # the data order: the same in every process
+    train_loader = mc.setup_dataloader(DataLoader(train_data, config.batch_size, shuffle=True, generator=shuffled,
+                                                  num_workers=config.workers, pin_memory=cuda),
+                                       device_data=config.device_data)
+    test_loader = None if test_data is None else mc.setup_dataloader(
+        DataLoader(test_data, config.eval_batch_size, num_workers=config.workers, pin_memory=cuda), train=False,
+        device_data=config.device_data)
+    report = Report(Path(config.out), config, mc.is_main)
+    if mc.is_main:
+        note = f" ({mc.device_note})" if mc.device_note else ""
+        say(f"training {type(mc.unwrap(model)).__name__} on {len(train_data)} samples: strategy {mc.strategy}, "
+            f"{mc.world_size} process(es) on {mc.device.type}, global batch {config.batch_size} "
+            f"({train_loader.local_batch_size} per process){note}")
+    history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, report.epoch)
+    names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in mc.cards] or ["cpu"]
     last = history[-1]
     summary = {
-        "strategy": strategy.name, "world_size": strategy.world, "launcher": strategy.job.launcher,
-        "devices": strategy.gather(names), "epochs": config.epochs, "global_batch_size": config.batch_size,
-        "per_process_batch_size": local_batch,
+        "strategy": mc.strategy, "world_size": mc.world_size, "launcher": mc.launcher,
+        "devices": flat(mc.gather(names)), "epochs": config.epochs, "global_batch_size": config.batch_size,
+        "per_process_batch_size": train_loader.local_batch_size,
         **{k: last[k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples") if k in last},
         "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
         / max(sum(r["seconds"] for r in history), 1e-9),
-        "wall_s": time.perf_counter() - begin, "peak_memory_mb": strategy.gather(memory.peak_mb(strategy.cards)),
-        "card_used_mb": strategy.gather(memory.card_used_mb(strategy.cards)),  # NVML; [] where it cannot be read
-        "model": type(strategy.unwrap(model)).__name__, "torch": torch.__version__,
+        "wall_s": time.perf_counter() - begin, "peak_memory_mb": flat(mc.gather(mc.peak_memory_mb())),
+        "card_used_mb": flat(mc.gather(mc.card_used_mb())),  # NVML; [] where it cannot be read
+        "model": type(mc.unwrap(model)).__name__, "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
     }
-    if strategy.is_main:
+    if mc.is_main:
         report.finish(summary, model)
-    strategy.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
+    mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
     return summary
 
 
-def say(line: str) -> None:
-    tqdm.write(f"multicard: {line}")
+def flat(parts: list[list]) -> list:
+    return [v for part in parts for v in part]
 
 
-class Report:
-    """What rank 0 writes into --out: a line per epoch, then the model, the metrics and the summary.
-
-    The epochs go to metrics.jsonl.part while the run lasts; it becomes metrics.jsonl only when the run ends
-    well. A run that fails or is stopped leaves an earlier run's three files in --out as they were."""
-
-    def __init__(self, out: Path, config: TrainConfig, active: bool):
-        self.out, self.config, self.active = out, config, active
-        self.part = out / "metrics.jsonl.part"
-        if active:  # train() made the folder (prepare_out) before any process started
-            self.part.write_text("")
-
-    def epoch(self, record: dict) -> None:
-        if not self.active:
-            return
-        with open(self.part, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if not self.config.quiet:
-            acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
-            say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
-                f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s")
-
-    def finish(self, summary: dict, model: nn.Module) -> None:
-        checkpoint.save(model, self.out / "model.pt")
-        os.replace(self.part, self.out / "metrics.jsonl")
-        tmp = self.out / "summary.json.part"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.out / "summary.json")
-        acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
-            if "test_accuracy" in summary else ""
-        memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
-        used = ", ".join(f"{m:,.0f}" for m in summary["card_used_mb"])
-        say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
-            f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]"
-            + (f"; in use per card (NVML): [{used}]" if used else ""))
-        if not self.config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
-            say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")
+def adam(params: list, lr: float) -> torch.optim.Adam:
+    """Adam fused into one kernel per step where this torch can do that for these parameters: the same
+    algorithm, fewer launches (measurably faster for small models); plain Adam elsewhere."""
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.Adam(params, lr=lr)

@@ -1,12 +1,32 @@
-"""Loaders that give each process its share: shuffled shards for training, exact shards for evaluation."""
+"""A user's DataLoader, set up for one process of a job: its settings kept, its sampler replaced by this process's
+share of one global order, batches moved to the device, and the epoch advanced on every pass."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+    default_collate,
+)
 from torch.utils.data.distributed import DistributedSampler
 
+from ..errors import UsageError
 from .images import ImageData
+
+# what a DataLoader was built with, besides its dataset, batch and sampler: carried over unchanged
+KEPT = [name for name in ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                          "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+        if name in inspect.signature(DataLoader).parameters]
 
 
 class ShardSampler(Sampler[int]):
@@ -29,30 +49,54 @@ class ShardSampler(Sampler[int]):
         return torch.arange(self.rank, self.size, self.world)
 
 
-class Shuffled(DistributedSampler):
-    """DistributedSampler (one seeded permutation per epoch, padded to equal shards, dealt out by rank) that also
-    gives its order as one tensor, built in milliseconds where listing 262,144 indices takes about 45."""
+class GlobalOrder(Sampler[int]):
+    """One order of the whole dataset per epoch (a seeded permutation, or 0..n-1), the same in every process,
+    dealt out by rank: index i of the order goes to process i % world. With a per-process batch b, step k of
+    the N processes together takes positions k*N*b .. (k+1)*N*b - 1: the step one process takes at batch N*b.
+
+    The order is padded with its first indices to a multiple of the world (as DistributedSampler does, whose
+    order this is exactly), or, with `drop_last`, cut to whole global steps of `step` samples."""
+
+    def __init__(self, size: int, rank: int = 0, world: int = 1, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, step: int = 1):
+        self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
+        self.drop_last, self.step, self.epoch = drop_last, step, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def order(self) -> torch.Tensor:
-        """Exactly list(self), as a tensor (the test suite holds the two to that)."""
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        indices = torch.randperm(len(self.dataset), generator=g)
-        indices = indices.repeat(-(-self.total_size // len(indices)))[:self.total_size]  # the padding
-        return indices[self.rank:self.total_size:self.num_replicas]
+        """This process's indices for the epoch, as one tensor (listing 262,144 of them in Python takes ~45 ms)."""
+        if self.shuffle:
+            indices = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            indices = torch.arange(self.size)
+        if self.drop_last:
+            indices = indices[: self.size // self.step * self.step]
+        elif self.size % self.world:
+            total = -(-self.size // self.world) * self.world
+            indices = indices.repeat(-(-total // self.size))[:total]
+        return indices[self.rank::self.world]
+
+    def __iter__(self):
+        return iter(self.order().tolist())
+
+    def __len__(self) -> int:
+        total = self.size // self.step * self.step if self.drop_last else -(-self.size // self.world) * self.world
+        return total // self.world
 
 
 class InMemory:
     """Batches cut straight from in-memory tensors: each epoch the sampler's order comes as one index tensor,
-    split into batches, each fetched by one indexing op (no DataLoader, no per-sample collation). With a
-    `device`, the tensors move there once first: the fast path, with no per-step host work at all."""
+    split into batches, each fetched by one indexing op (no per-sample collation; an ImageData augments a whole
+    batch at once). With a `device`, the tensors move there once first: the fast path, no per-step host work."""
 
-    def __init__(self, dataset: TensorDataset, sampler: Shuffled | ShardSampler, batch_size: int,
+    def __init__(self, dataset: TensorDataset, sampler: GlobalOrder | ShardSampler, batch_size: int,
                  device: torch.device | None):
         if device is not None:
             dataset = dataset.to(device) if isinstance(dataset, ImageData) else \
                 TensorDataset(*(t.to(device) for t in dataset.tensors))
-        self.data, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
         self.device = dataset.tensors[0].device
 
     def __len__(self) -> int:
@@ -60,33 +104,96 @@ class InMemory:
 
     def __iter__(self):
         for chunk in self.sampler.order().to(self.device).split(self.batch_size):
-            yield self.data[chunk]
+            yield self.dataset[chunk]
 
 
-def make_loader(dataset: Dataset, batch_size: int, *, train: bool, rank: int = 0, world: int = 1,
-                seed: int = 0, workers: int = 0, pin_memory: bool = False,
-                device: torch.device | None = None) -> DataLoader | InMemory:
-    """`batch_size` is per process. Training shuffles one global permutation per epoch (the same for every
-    world size) and deals it out, so N processes see, step by step, the samples one process would see.
-    A TensorDataset is served by InMemory (from `device` if given) unless loader workers are asked for."""
+class Sharded:
+    """A loader as set up: this process's share, moved to `device`, reshuffled on each pass (no set_epoch to
+    remember). Other attributes (dataset, batch_size, ...) are the user's loader's."""
+
+    def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device):
+        self.inner, self.original, self.device, self.epoch = inner, original, device, 0
+
+    @property
+    def sampler(self) -> Sampler:
+        sampler = self.inner.sampler
+        return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
+
+    @property
+    def local_batch_size(self) -> int | None:
+        """Samples per step in this process (the DataLoader's batch_size is the global batch)."""
+        sampler = self.inner.sampler
+        return sampler.batch_size if isinstance(sampler, BatchSampler) else self.inner.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order the next pass takes (for resuming); passes count on from it."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        for batch in self.inner:
+            yield to_device(batch, self.device)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "original":  # not set yet (unpickling): no loop through __getattr__
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+
+def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
+          local_batch: Callable[[int], int], seed: int, global_batch: bool = True,
+          device_data: bool = False) -> Sharded:
+    """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
+    if isinstance(loader, Sharded):
+        raise UsageError("this DataLoader was set up already: pass the one you built")
+    if not isinstance(loader, DataLoader):
+        raise UsageError(f"setup_dataloader takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise UsageError("an IterableDataset cannot be dealt out by index: give each process its own part "
+                         "(mc.rank of mc.world_size), or use a map-style dataset")
+    if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
+        if device_data:
+            raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
+        return Sharded(loader, loader, device)
+    if loader.batch_size is None:
+        raise UsageError("this DataLoader has a batch_sampler of its own, which multicard cannot deal out; "
+                         "give it batch_size (and shuffle) instead, or shard it yourself with a DistributedSampler")
+    if type(loader.sampler) not in (RandomSampler, SequentialSampler) or \
+            (isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or
+                                                            loader.sampler.num_samples != len(dataset))):
+        raise UsageError(f"this DataLoader draws with a {type(loader.sampler).__name__}, which multicard cannot "
+                         f"deal out over processes; use shuffle=True or False, or a DistributedSampler of your own")
+    batch = loader.batch_size
+    if not global_batch:
+        local = batch
+    elif train:
+        local = local_batch(batch)
+    else:  # evaluation: any split is exact, so no batch size is refused
+        local = -(-batch // world)
     if train:
-        sampler = Shuffled(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        generator = getattr(loader.sampler, "generator", None)
+        order = GlobalOrder(len(dataset), rank, world, shuffle=isinstance(loader.sampler, RandomSampler),
+                            seed=generator.initial_seed() if generator is not None else seed,
+                            drop_last=loader.drop_last, step=local * world)
     else:
-        sampler = ShardSampler(len(dataset), rank, world)
-    if isinstance(dataset, TensorDataset) and (device is not None or workers == 0):
-        return InMemory(dataset, sampler, batch_size, device)
-    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
-    if isinstance(dataset, TensorDataset):  # workers asked for: they fetch whole batches, still no collation
-        return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None,
-                          **common)
-    return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **common)
-
-
-def set_epoch(loader: DataLoader | InMemory, epoch: int) -> None:
-    """Reshuffle for this epoch (users of DistributedSampler must remember this; here it is done for them)."""
-    sampler = loader.sampler.sampler if isinstance(loader.sampler, BatchSampler) else loader.sampler
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(epoch)
+        order = ShardSampler(len(dataset), rank, world)
+    whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
+    if device_data and not whole_batches:
+        raise UsageError("device_data=True needs a TensorDataset and the default collate_fn")
+    if whole_batches and (device_data or loader.num_workers == 0):
+        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device)
+    kept = {name: getattr(loader, name) for name in KEPT}
+    if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
+        inner = DataLoader(dataset, batch_size=None, sampler=BatchSampler(order, local, drop_last=False), **kept)
+    else:
+        inner = DataLoader(dataset, batch_size=local, sampler=order, collate_fn=loader.collate_fn, **kept)
+    return Sharded(inner, loader, device)
 
 
 def to_device(batch, device: torch.device):

@@ -5,7 +5,10 @@ A model class may say what one sample looks like (`input_shape = (C, H, W)`); sy
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
@@ -25,9 +28,46 @@ def register(name: str):
 
 
 def build(name: str) -> nn.Module:
-    if name not in MODELS:
-        raise UsageError(f"--model {name}: unknown; choose one of {', '.join(sorted(MODELS))}")
-    return MODELS[name]()
+    """A registered name, or your own class (or function) by where it lives: `path/to/file.py:Net` or
+    `package.module:Net`; it is called with no arguments."""
+    if ":" in name:
+        factory = find(name)
+    elif name in MODELS:
+        factory = MODELS[name]
+    else:
+        raise UsageError(f"--model {name}: unknown; choose one of {', '.join(sorted(MODELS))}, "
+                         f"or name your own as file.py:Class or package.module:Class")
+    try:
+        model = factory()
+    except TypeError as e:
+        raise UsageError(f"--model {name}: cannot be built without arguments ({e})") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {name}: gave a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def find(spec: str) -> Callable[[], nn.Module]:
+    """Import `file.py:Name` or `package.module:Name`. A file is imported as a module named after it, from its
+    folder (put first on sys.path), so that processes spawned later find its classes the same way."""
+    where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise UsageError(f"--model {spec}: no such file {where}")
+        module_name = path.stem
+        loaded = sys.modules.get(module_name)
+        if loaded is not None and Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+            raise UsageError(f"--model {spec}: a module named {module_name} is imported already; rename {where}")
+        sys.path.insert(0, str(path.parent))
+    else:
+        module_name = where
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--model {spec}: cannot import {where} ({e})") from None
+    if not hasattr(module, attr):
+        raise UsageError(f"--model {spec}: {where} has no {attr}")
+    return getattr(module, attr)
 
 
 __all__ = ["MODELS", "LeNet5", "ResNet8", "build", "register"]

@@ -74,21 +74,41 @@ def split(obj: Any, sizes: Sequence[int]) -> list:
     return [obj] * len(sizes)
 
 
+def join(parts: Sequence, to: Callable, device: Any) -> Any:
+    """The inverse of split: every piece's tensors moved to `device` and joined along dim 0 (scalars stacked)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        moved = [to(part, device) for part in parts]
+        return torch.stack(moved) if first.dim() == 0 else torch.cat(moved)
+    if isinstance(first, dict):
+        return {k: join([part[k] for part in parts], to, device) for k in first}
+    if isinstance(first, (list, tuple)):
+        joined = [join(list(items), to, device) for items in zip(*parts, strict=True)]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    return first
+
+
 class ParallelModel(nn.Module):
-    """Scatter the inputs over the cards, run a replica of `module` on each; return the outputs ungathered."""
+    """Scatter the inputs over the cards, run a replica of `module` on each; while training, return the outputs
+    ungathered (the criterion runs where they are). In evaluation (eval() or no_grad) they are joined on the
+    first card, as DataParallel does, so that a test function's `outputs.argmax(1)` works unchanged."""
 
     def __init__(self, module: nn.Module, devices: Sequence, primitives: Primitives = TORCH):
         super().__init__()
         self.module, self.devices, self.primitives = module, list(devices), primitives
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> PerCard:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         p = self.primitives
         inputs, kwargs = p.scatter(inputs, kwargs, self.devices)  # fewer chunks than cards for a small batch
         sizes = [rows((i, k)) for i, k in zip(inputs, kwargs, strict=True)]
         if len(inputs) == 1:  # one card, or one chunk: the module itself, as DataParallel does
-            return PerCard([self.module(*inputs[0], **kwargs[0])], sizes)
-        devices = self.devices[: len(inputs)]
-        return PerCard(p.parallel_apply(p.replicate(self.module, devices), inputs, kwargs, devices), sizes)
+            outputs = PerCard([self.module(*inputs[0], **kwargs[0])], sizes)
+        else:
+            devices = self.devices[: len(inputs)]
+            outputs = PerCard(p.parallel_apply(p.replicate(self.module, devices), inputs, kwargs, devices), sizes)
+        if self.training and torch.is_grad_enabled():
+            return outputs
+        return join(outputs, p.to, self.devices[0])
 
 
 class ParallelCriterion:

@@ -1,12 +1,14 @@
 """The Strategy interface: everything that differs between single, dp, dp-balanced and ddp.
 
-The loop in train.py calls only these methods, never asks which strategy it has. A strategy wraps the model
-AND the criterion, so dp-balanced can keep outputs and losses on the cards without the loop knowing.
+The front object (front.py) calls only these methods, never asks which strategy it has. A strategy wraps the
+model AND the criterion, so dp-balanced can keep outputs and losses on the cards without the loop knowing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,15 +55,16 @@ class Strategy:
         """The CUDA cards this process drives (their peak memory is reported)."""
         return [self.device.index] if self.device.type == "cuda" else []
 
-    def local_batch(self, global_batch: int) -> int:
-        """Samples per process per step, from the global batch (samples per optimizer step)."""
+    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "") -> int:
+        """Samples per process per step, from the global batch (samples per optimizer step). `what` names the
+        setting in an error, `hint` adds another way out."""
         if global_batch < 1:
-            raise UsageError(f"--batch-size {global_batch}: must be at least 1")
+            raise UsageError(f"{what} {global_batch}: must be at least 1")
         if global_batch % self.world:
             lo, hi = global_batch // self.world * self.world, -(-global_batch // self.world) * self.world
             examples = f"{lo} or {hi}" if lo else f"{hi}"
-            raise UsageError(f"--batch-size {global_batch} does not split over {self.world} processes; "
-                             f"use a multiple of {self.world} (e.g. {examples})")
+            raise UsageError(f"{what} {global_batch} does not split over {self.world} processes; "
+                             f"use a multiple of {self.world} (e.g. {examples}){hint}")
         return global_batch // self.world
 
     # -- in the process that trains --------------------------------------------------------------------
@@ -69,10 +72,6 @@ class Strategy:
         self.job = job
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-
-    def setup(self, model: nn.Module, criterion: Callable) -> tuple[nn.Module, Callable]:
-        """Move and wrap the model; wrap the criterion so it returns the loss over the whole local batch."""
-        return self.wrap_model(model.to(self.device)), self.wrap_loss(criterion)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -84,20 +83,20 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        """Add up per-process sums (losses, counts) over all processes."""
-        return sums
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which backward leaves the gradients unreduced (one process: there is nothing to reduce)."""
+        return contextlib.nullcontext()
 
-    def gather(self, values: list[float]) -> list[float]:
-        """Concatenate each process's list, in rank order."""
-        return values
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """`tensor` combined over all processes by op (sum, max or min), as a new tensor."""
+        return tensor.clone()
+
+    def gather(self, obj: Any) -> list:
+        """Every process's `obj`, in rank order."""
+        return [obj]
 
     def barrier(self) -> None:
         """Wait here for every process (one process: nothing to wait for)."""
-
-    def synchronize(self) -> None:
-        for card in self.cards:
-            torch.cuda.synchronize(card)
 
     def stop(self) -> None:
         """Always called, also after an error."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -48,15 +50,18 @@ class DDP(Strategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        sums = sums.clone()
-        torch_dist.all_reduce(sums)
-        return sums
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
-    def gather(self, values: list[float]) -> list[float]:
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        tensor = tensor.clone()
+        torch_dist.all_reduce(tensor, getattr(torch_dist.ReduceOp, op.upper()))
+        return tensor
+
+    def gather(self, obj: Any) -> list:
         parts: list = [None] * self.world
-        torch_dist.all_gather_object(parts, values)
-        return [v for part in parts for v in part]
+        torch_dist.all_gather_object(parts, obj)
+        return parts
 
     def barrier(self) -> None:
         torch_dist.barrier(device_ids=self.cards or None)

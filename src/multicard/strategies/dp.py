@@ -23,12 +23,12 @@ class DP(Strategy):
         """Every chosen card: one process drives them all, so each gets its own peak memory entry."""
         return list(self.devices.ids) if self.devices.kind == "cuda" else []
 
-    def local_batch(self, global_batch: int) -> int:
-        batch = super().local_batch(global_batch)  # one process: the whole global batch
+    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "") -> int:
+        batch = super().local_batch(global_batch, what, hint)  # one process: the whole global batch
         cards = len(self.cards)
         if batch < cards:  # DataParallel would silently leave the last cards idle
-            raise UsageError(f"--batch-size {global_batch} is smaller than the {cards} cards of --strategy "
-                             f"{self.name}; every card needs a sample: use --batch-size {cards} or more")
+            raise UsageError(f"{what} {global_batch} is smaller than the {cards} cards of --strategy "
+                             f"{self.name}; every card needs a sample: use {what} {cards} or more")
         return batch
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

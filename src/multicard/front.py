@@ -1,0 +1,339 @@
+"""Multicard: the front object that takes a user's own training loop to N processes or cards.
+
+The seeds' four changes, each one line: start the processes (`mc.launch(fn)`, `multicard run script.py`, or
+torchrun), join the process group (here, on first use), wrap the model (`mc.setup`), shard the data
+(`mc.setup_dataloader`). Our own trainer (loop.py) is written on this object and nothing else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import checkpoint, launcher, memory, strategies
+from .data.loaders import Sharded, shard
+from .devices import select
+from .dist import job_from_env
+from .errors import UsageError
+from .strategies import Strategy
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the autocast dtype of each
+OPS = ("sum", "mean", "max", "min")
+
+
+class Multicard:
+    """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
+
+    strategy: auto, single, ddp, dp or dp-balanced (auto: ddp on 2+ cards or in a launched job, else single).
+    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
+    precision: fp32, or bf16 (the model's forward under autocast; its outputs handed back in fp32).
+    seed: the data order's seed where a shuffling DataLoader has no generator of its own (every process
+    must deal out the same order). Under `multicard run`, "auto" takes the launcher's --strategy / --devices.
+    """
+
+    def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
+                 seed: int = 0, find_unused_parameters: bool = False):
+        if precision not in PRECISIONS:
+            raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        self.job = job_from_env()
+        if isinstance(strategy, Strategy):
+            strategy.job = self.job
+        else:
+            if strategy == "auto":
+                strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
+            # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
+            devices = os.environ.get("MULTICARD_DEVICES", devices) if self.job.launcher == "multicard" else devices
+            strategy = strategies.create(strategy, select(devices), self.job, find_unused_parameters)
+        self._strategy, self.precision, self.seed = strategy, precision, seed
+        self._state = "new"  # new -> started (this process joined its job) -> closed
+
+    # -- the job ---------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        return self._strategy.name
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (dp and dp-balanced drive all their cards from one)."""
+        return self._strategy.world
+
+    @property
+    def rank(self) -> int:
+        self._start()
+        return self._strategy.rank
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that prints and writes."""
+        self._start()
+        return self._strategy.is_main
+
+    @property
+    def device(self) -> torch.device:
+        """Where this process's model, inputs and targets live."""
+        self._start()
+        return self._strategy.device
+
+    @property
+    def cards(self) -> list[int]:
+        """The CUDA cards this process drives ([] on the CPU)."""
+        self._start()
+        return self._strategy.cards
+
+    @property
+    def device_note(self) -> str:
+        """What the choice of devices has to say, e.g. "no CUDA card found: training on the CPU" (or "")."""
+        return self._strategy.devices.note
+
+    @property
+    def launcher(self) -> str:
+        """Who started this process: none, multicard, torchrun or slurm."""
+        return self.job.launcher
+
+    def local_batch(self, global_batch: int, what: str = "batch size") -> int:
+        """Samples per process per step for a global batch; one that does not split is one clear error
+        naming `what`."""
+        return self._strategy.local_batch(global_batch, what)
+
+    def launch(self, fn: Callable, *args: Any) -> Any:
+        """fn(mc, *args) in every process the strategy needs: spawned here (a free port; the first failure stops
+        all, with that rank's traceback), or right here in a job this process already belongs to. Returns what
+        fn returned on rank 0. Every process tears down its process group when fn returns. A module passed in
+        `args` arrives in each spawned process as a copy of its own."""
+        if self.job.launched or self._strategy.processes == 1:
+            self._start()
+            try:
+                return fn(self, *args)
+            finally:
+                self.close()
+        if self._state != "new":
+            raise UsageError("launch(fn) must come before anything else on this Multicard")
+        return launcher.spawn(_launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
+                                                                      fn, args))
+
+    def _start(self) -> None:
+        """Join the job on first use. A script that asks for more processes than it runs in starts them now:
+        it runs again as each rank (as `multicard run` does), and this process ends with their exit code."""
+        if self._state == "started":
+            return
+        if self._state == "closed":
+            raise UsageError("this Multicard was closed (launch() closes it when fn returns); make a new one")
+        if not self.job.launched and self._strategy.processes > 1:
+            relaunch(self._strategy)
+        self._strategy.start(self.job)
+        self._state = "started"
+        memory.reset(self._strategy.cards)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Leave the job: the process group goes down. Safe to call twice."""
+        if self._state == "started":
+            self._strategy.stop()
+        self._state = "closed"
+
+    def __enter__(self) -> Multicard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- model, criterion, data --------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, *optimizers: torch.optim.Optimizer) -> Any:
+        """The model on this process's device, wrapped by the strategy; returns it (and the optimizers, given
+        back as they are: any torch optimizer, its param_groups, schedulers and state_dict work as on one card).
+        The model returned reads as yours: its attributes, `.module`, and a state_dict without prefixes."""
+        self._start()
+        if isinstance(model, Prepared):
+            raise UsageError("this model was set up already: call setup once per model")
+        forward = self._strategy.wrap_model(model.to(self.device))
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision])
+        return (prepared, *optimizers) if optimizers else prepared
+
+    def setup_criterion(self, criterion: Callable) -> Callable:
+        """dp-balanced: the criterion runs on every card, on the outputs left there. Others: as it is."""
+        self._start()
+        return self._strategy.wrap_loss(criterion)
+
+    def setup_dataloader(self, loader: DataLoader, train: bool = True, *, global_batch: bool = True,
+                         device_data: bool = False) -> Sharded:
+        """This process's share of `loader`, its batches on the device, reshuffled on each pass.
+
+        Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
+        sampler is replaced. Its batch_size is the GLOBAL batch: N processes take, step by step, the samples
+        one process takes (one order, from the loader's generator or this object's seed, dealt out), so the
+        batch must split over the processes. global_batch=False keeps batch_size per process instead.
+        train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
+        DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
+        holds a TensorDataset on the device and cuts batches there.
+        """
+        self._start()
+        hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
+        return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
+                     local_batch=lambda b: self._strategy.local_batch(b, "the DataLoader's batch_size", hint),
+                     seed=self.seed, global_batch=global_batch, device_data=device_data)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside what setup returned."""
+        return model.module if isinstance(model, Prepared) else self._strategy.unwrap(model)
+
+    # -- training steps --------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @contextlib.contextmanager
+    def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
+        """Backward inside leaves the gradients local (ddp: no all-reduce), e.g. for all but the last of
+        several accumulated micro-batches; the next backward outside reduces the sum."""
+        forward = model.forward_module if isinstance(model, Prepared) else model
+        with self._strategy.no_sync(forward) if enabled else contextlib.nullcontext():
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
+        dtype = PRECISIONS[self.precision]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype)
+
+    # -- between processes -----------------------------------------------------------------------------------
+    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+        """`value` (a tensor or a number) combined over all processes: sum, mean, max or min. A new tensor,
+        on the device `value` was on."""
+        if op not in OPS:
+            raise UsageError(f"all_reduce op {op!r}: choose one of {', '.join(OPS)}")
+        self._start()
+        tensor = torch.as_tensor(value)
+        if op == "mean" and not tensor.is_floating_point():
+            tensor = tensor.double()
+        out = self._strategy.all_reduce(tensor.to(self.device), "sum" if op == "mean" else op)
+        return (out / self.world_size if op == "mean" else out).to(tensor.device)
+
+    def gather(self, obj: Any) -> list:
+        """Every process's `obj` (anything picklable), in rank order, on every process."""
+        self._start()
+        return self._strategy.gather(obj)
+
+    def barrier(self) -> None:
+        self._start()
+        self._strategy.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def save(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Write {name: model, optimizer, scheduler, or any value} to `path`: models unwrapped (no `module.`),
+        rank 0 writing atomically, the others returning at once. Call it on every rank; a save under
+        `if mc.is_main:` works too (it waits for nobody)."""
+        if self.is_main:
+            checkpoint.save_state(path, state)
+
+    def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load what save wrote into the objects of `state` (models, optimizers, ...), in every process; plain
+        values in `state` are replaced. Returns the file's entries that were not restored into an object (e.g.
+        {"epoch": 3}); without `state`, everything. Read with weights_only=True."""
+        self._start()
+        return checkpoint.load_state(path, state) if state is not None else checkpoint.read(path)
+
+    # -- memory ----------------------------------------------------------------------------------------------
+    def peak_memory_mb(self) -> list[float]:
+        """This process's peak: torch's peak allocated on each of its cards, or its peak resident memory."""
+        return memory.peak_mb(self.cards)
+
+    def card_used_mb(self) -> list[float]:
+        """What NVML says is in use on each of this process's cards now ([] where it cannot be read)."""
+        return memory.card_used_mb(self.cards)
+
+
+class Prepared(nn.Module):
+    """A model as set up: the strategy's wrapper runs the forward (under autocast where `dtype` is given, the
+    outputs handed back in fp32). Everything else reads as the user's own model: its attributes, `.module`,
+    and its state_dict, which has no wrapper prefix."""
+
+    def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None):
+        super().__init__()
+        self.forward_module = forward_module  # registered: train(), eval() and parameters() reach the model
+        self.__dict__.update(_module=module, _autocast=(device_type, dtype))  # not registered a second time
+
+    @property
+    def module(self) -> nn.Module:
+        return self.__dict__["_module"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        device_type, dtype = self._autocast
+        if dtype is None:
+            return self.forward_module(*args, **kwargs)
+        with torch.autocast(device_type, dtype):
+            return to_fp32(self.forward_module(*args, **kwargs))
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(checkpoint.unprefixed(state_dict), strict, assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_module" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["_module"], name)
+
+
+def to_fp32(obj: Any) -> Any:
+    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
+    per-card outputs with its sample counts included)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        out = copy.copy(obj)  # a list subclass keeps what else it carries
+        out[:] = [to_fp32(v) for v in obj]
+        return out
+    if isinstance(obj, tuple):
+        items = [to_fp32(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
+def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "auto", precision: str = "fp32",
+           **options: Any) -> Any:
+    """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...)."""
+    return Multicard(strategy, devices, precision, **options).launch(fn, *args)
+
+
+def _launched(strategy: Strategy, precision: str, seed: int, fn: Callable, args: tuple) -> Any:
+    """The body of a process that Multicard.launch spawned."""
+    mc = Multicard(strategy, precision=precision, seed=seed)
+    args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
+    return mc.launch(fn, *args)
+
+
+def relaunch(strategy: Strategy) -> None:
+    """Run this script again as each rank of a job, wait, and end this process with their exit code."""
+    if not sys.argv or sys.argv[0] in ("", "-c") or not getattr(sys.modules["__main__"], "__file__", None):
+        raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
+                         f"{strategy.processes} processes: put the work in fn(mc) and call mc.launch(fn), or "
+                         f"start the script with multicard run")
+    command = [sys.executable, *sys.orig_argv[1:]]
+    sys.exit(launcher.run_command(command, strategy.processes, job_choice(strategy)))
+
+
+def job_choice(strategy: Strategy) -> dict[str, str]:
+    """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
+    CUDA_VISIBLE_DEVICES to the chosen cards already)."""
+    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}
