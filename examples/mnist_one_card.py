@@ -80,7 +80,7 @@ def main():
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if use_cuda else "cpu")
 
-    train_kwargs = {"batch_size": args.batch_size}
+    train_kwargs = {"batch_size": args.batch_size, "shuffle": True}  # mnist-5k is stored sorted by label
     test_kwargs = {"batch_size": args.test_batch_size}
     if use_cuda:
         cuda_kwargs = {"num_workers": 1, "pin_memory": True, "shuffle": True}

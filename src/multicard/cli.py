@@ -60,22 +60,25 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if not args.script:
+        raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
+    if not args.module and not os.path.isfile(args.script):
+        raise UsageError(f"run: no such script {args.script}")
     from . import strategies
     from .devices import select
     from .dist import job_from_env
     from .front import job_choice
     from .launcher import run_command
 
-    if not args.script:
-        raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
-    if not args.module and not os.path.isfile(args.script):
-        raise UsageError(f"run: no such script {args.script}")
-    command = ["-m"] * args.module + [args.script, *args.args]
     job = job_from_env()
     if job.launched:
         raise UsageError(f"run: this shell is one process of a job already ({job.launcher} set RANK); start the "
                          f"script directly, or unset RANK and WORLD_SIZE")
-    strategy = strategies.create(args.strategy, select(args.devices), job)
+    try:
+        strategy = strategies.create(args.strategy, select(args.devices), job)
+    except UsageError as e:
+        raise UsageError(f"run: {e}") from None
+    command = ["-m"] * args.module + [args.script, *args.args]
     return run_command([sys.executable, *command], strategy.processes, job_choice(strategy))
 
 

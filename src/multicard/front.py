@@ -177,10 +177,13 @@ class Multicard:
         holds a TensorDataset on the device and cuts batches there.
         """
         self._start()
-        hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
-                     local_batch=lambda b: self._strategy.local_batch(b, "the DataLoader's batch_size", hint),
-                     seed=self.seed, global_batch=global_batch, device_data=device_data)
+                     local_batch=self._loader_batch, seed=self.seed, global_batch=global_batch,
+                     device_data=device_data)
+
+    def _loader_batch(self, batch: int) -> int:
+        hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
+        return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""

@@ -1,0 +1,277 @@
+"""The front object (multicard.Multicard) in a user's own loop: single in this process, ddp over 2 and 3 gloo
+processes, dp and dp-balanced with CPU stand-ins; the loader contract; checkpoints; multicard.launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+import multicard
+from conftest import cuda, sharded, tiny_images
+from multicard.devices import Devices
+from multicard.errors import UsageError
+from multicard.front import Multicard, Prepared
+from multicard.strategies.dp import DP
+from multicard.strategies.single import Single
+from test_dp import CPUBalanced
+
+STEPS, BATCH = 20, 48  # 48 splits over 1, 2 and 3 processes
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def sgd_job(mc: Multicard, folder: str) -> dict:
+    """A user's loop: plain SGD (no momentum, so every gradient error shows in the weights) for STEPS steps of a
+    global batch of BATCH, then the collectives, no_backward_sync and a checkpoint from rank 0 only."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = mc.setup(model, optimizer)
+    criterion = mc.setup_criterion(nn.CrossEntropyLoss())
+    loader = mc.setup_dataloader(DataLoader(tiny_images(STEPS * BATCH), BATCH, shuffle=True))
+    assert len(loader) == STEPS and loader.local_batch_size == BATCH // mc.world_size
+    for x, y in loader:
+        optimizer.zero_grad()
+        mc.backward(criterion(model(x), y))
+        optimizer.step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    x, y = tiny_images(8, seed=10 + mc.rank)[:]  # different data on every rank
+    optimizer.zero_grad()
+    with mc.no_backward_sync(model):
+        criterion(model(x), y).backward()
+    local = mc.gather(model.module[1].weight.grad.clone())
+    model.zero_grad()
+    criterion(model(x), y).backward()
+    synced = mc.gather(model.module[1].weight.grad.clone())
+
+    if mc.is_main:  # the habit that deadlocks Lightning Fabric's save: here it waits for nobody
+        mc.save(f"{folder}/ckpt.pt", {"model": model, "optimizer": optimizer, "step": STEPS})
+    mc.barrier()
+    fresh = mlp()
+    rest = mc.load(f"{folder}/ckpt.pt", {"model": fresh})
+    assert all(torch.equal(fresh.state_dict()[k], weights[k]) for k in weights)
+    return {"weights": weights, "rest": rest, "local": local, "synced": synced,
+            "sum": mc.all_reduce(torch.tensor([mc.rank + 1.0])).item(), "max": mc.all_reduce(mc.rank, "max").item(),
+            "mean": mc.all_reduce(mc.rank + 1, "mean").item(), "gather": mc.gather(mc.rank)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict]:
+    """The same loop on 1, 2 and 3 processes (ddp on gloo for 2 and 3)."""
+    folder = tmp_path_factory.mktemp("front")
+    return {n: multicard.launch(sgd_job, str(folder / str(n)), strategy="ddp" if n > 1 else "single",
+                                devices=f"cpu:{n}") for n in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_n_processes_end_with_the_weights_of_one(runs, n):
+    one, many = runs[1]["weights"], runs[n]["weights"]
+    for key in one:
+        assert (one[key] - many[key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives(runs, n):
+    r = runs[n]
+    assert r["sum"] == n * (n + 1) / 2 and r["max"] == n - 1 and r["mean"] == (n + 1) / 2
+    assert r["gather"] == list(range(n))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_backward_sync_leaves_gradients_local_until_the_next_backward(runs, n):
+    local, synced = runs[n]["local"], runs[n]["synced"]
+    assert not torch.allclose(local[0], local[1])
+    assert all(torch.allclose(g, synced[0]) for g in synced)
+    torch.testing.assert_close(synced[0], sum(local) / n)  # the average of what each rank had alone
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_save_from_rank_0_only_loads_everywhere(runs, n, tmp_path):
+    assert runs[n]["rest"] == {"optimizer": runs[n]["rest"]["optimizer"], "step": STEPS}
+
+
+# -- one process: the set-up model, the checkpoint, the errors ----------------------------------------------------
+
+def test_the_set_up_model_reads_as_the_users_own():
+    mc = Multicard(devices="cpu")
+    model = mlp()
+    model.note = "mine"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, same = mc.setup(model, optimizer)
+    assert isinstance(prepared, Prepared) and same is optimizer and prepared.module is model
+    assert list(prepared.state_dict()) == list(model.state_dict())  # no wrapper prefix
+    assert prepared.note == "mine" and mc.unwrap(prepared) is model  # attributes pass through
+    assert [p is q for p, q in zip(prepared.parameters(), model.parameters(), strict=True)] == [True] * 4
+    with pytest.raises(UsageError, match="set up already"):
+        mc.setup(prepared)
+    with pytest.raises(UsageError, match="all_reduce op 'avg'"):
+        mc.all_reduce(1, "avg")
+    mc.close()
+    with pytest.raises(UsageError, match="closed"):
+        mc.setup(mlp())
+
+
+def test_bf16_runs_the_forward_under_autocast_and_hands_back_fp32():
+    mc = Multicard(devices="cpu", precision="bf16")
+    model = mc.setup(mlp())
+    seen = []
+    model.module[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    out = model(tiny_images(4)[:][0])
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    with pytest.raises(UsageError, match="precision 'fp8'"):
+        Multicard(devices="cpu", precision="fp8")
+
+
+def test_checkpoint_round_trip_and_its_errors(tmp_path):
+    mc = Multicard(devices="cpu")
+    model = mc.setup(mlp())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    x, y = tiny_images(8)[:]
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    scheduler.step()
+    mc.save(tmp_path / "c.pt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "epoch": 3})
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert list(raw["model"]) == list(mlp().state_dict())  # unwrapped, loadable by plain torch
+
+    model2 = mlp()
+    optimizer2 = torch.optim.Adam(model2.parameters(), lr=0.01)
+    scheduler2 = torch.optim.lr_scheduler.StepLR(optimizer2, 1, 0.5)
+    state = {"model": model2, "optimizer": optimizer2, "scheduler": scheduler2, "epoch": 0}
+    assert mc.load(tmp_path / "c.pt", state) == {"epoch": 3} and state["epoch"] == 3
+    assert optimizer2.param_groups[0]["lr"] == 0.005 and optimizer2.state_dict()["state"][0]["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model2.state_dict().values(), model.state_dict().values(),
+                                                 strict=True))
+    multicard.save(model, tmp_path / "model.pt")  # a plain model.pt loads into the one model named
+    assert mc.load(tmp_path / "model.pt", {"model": mlp()}) == {}
+    with pytest.raises(UsageError, match="has no 'scaler'"):
+        mc.load(tmp_path / "c.pt", {"scaler": torch.amp.GradScaler("cpu")})
+    with pytest.raises(UsageError, match="'model': does not fit the model"):
+        mc.load(tmp_path / "c.pt", {"model": nn.Linear(3, 2)})
+    with pytest.raises(UsageError, match="no such file"):
+        mc.load(tmp_path / "nothing.pt", {"model": model2})
+
+
+# -- the loader contract ------------------------------------------------------------------------------------------
+
+def test_an_unshuffled_training_loader_keeps_its_order_dealt_out():
+    parts = [[y.tolist() for _, y in sharded(TensorDataset(torch.arange(12), torch.arange(12)), 6, rank=r,
+                                             world=2, shuffle=False)] for r in range(2)]
+    assert parts == [[[0, 2, 4], [6, 8, 10]], [[1, 3, 5], [7, 9, 11]]]
+
+
+def test_drop_last_drops_the_short_global_step():
+    data = TensorDataset(torch.arange(10), torch.arange(10))
+    loader = DataLoader(data, 4, shuffle=True, drop_last=True)
+    parts = [multicard.data.loaders.shard(loader, train=True, rank=r, world=2, device=torch.device("cpu"),
+                                          local_batch=lambda b: b // 2, seed=0) for r in range(2)]
+    steps = [sorted(a.tolist() + b.tolist()) for (_, a), (_, b) in zip(*parts, strict=True)]
+    assert len(steps) == 2 and all(len(s) == 4 for s in steps) and len(set(sum(steps, []))) == 8
+
+
+def test_global_batch_false_keeps_the_batch_per_process():
+    loader = sharded(tiny_images(40), 8, rank=0, world=2, global_batch=False)
+    assert loader.local_batch_size == 8 and len(loader) == 3 and loader.batch_size == 8
+
+
+def test_a_distributed_sampler_is_not_applied_twice_and_its_epoch_advances():
+    data = TensorDataset(torch.arange(20), torch.arange(20))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, seed=3)
+    mc = Multicard(devices="cpu")
+    loader = mc.setup_dataloader(DataLoader(data, 5, sampler=sampler))
+    passes = [torch.cat([y for _, y in loader]).tolist() for _ in range(2)]
+    for epoch, seen in enumerate(passes):
+        sampler.set_epoch(epoch)
+        assert seen == list(sampler)  # its own shard of 10, in its epoch's order: not cut again
+    assert passes[0] != passes[1]
+
+
+class Pairs(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([float(i)]), "y": i % 2}
+
+
+def test_a_map_style_dataset_keeps_its_collate_fn_and_workers():
+    def collate(items):
+        return torch.stack([d["x"] for d in items]), torch.tensor([d["y"] for d in items])
+
+    mc = Multicard(devices="cpu")
+    loader = mc.setup_dataloader(DataLoader(Pairs(), 4, collate_fn=collate, num_workers=1, shuffle=True))
+    assert loader.inner.num_workers == 1 and loader.inner.collate_fn is collate
+    assert sorted(torch.cat([x for x, _ in loader]).flatten().tolist()) == [float(i) for i in range(10)]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: DataLoader(d, 5), "does not split over 2 processes; use a multiple of 2 (e.g. 4 or 6), or "
+                                 "setup_dataloader(loader, global_batch=False)"),
+    (lambda d: DataLoader(d, 4, sampler=WeightedRandomSampler([1.0] * 12, 12)), "WeightedRandomSampler"),
+    (lambda d: DataLoader(d, batch_sampler=[[0, 1], [2, 3]]), "batch_sampler of its own"),
+    (lambda d: DataLoader(Stream(), 2), "IterableDataset"),
+    (lambda d: [1, 2, 3], "takes a torch.utils.data.DataLoader, not list"),
+])
+def test_loaders_that_cannot_be_dealt_out_are_one_clear_error(make, words):
+    data = TensorDataset(torch.arange(12), torch.arange(12))
+    with pytest.raises(UsageError) as error:
+        multicard.data.loaders.shard(make(data), train=True, rank=0, world=2, device=torch.device("cpu"),
+                                     local_batch=Multicard(devices="cpu:2")._loader_batch, seed=0)
+    assert words in str(error.value)
+
+
+# -- dp and dp-balanced, with CPU stand-ins -----------------------------------------------------------------------
+
+class CPUDP(DP):
+    """dp's wrapper over no cards: torch's DataParallel on a machine without CUDA calls the module itself."""
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return nn.DataParallel(model)
+
+
+@pytest.mark.parametrize("strategy", [CPUDP, CPUBalanced])
+def test_dp_and_dp_balanced_in_a_users_loop(strategy):
+    results = []
+    for mc in (Multicard(Single(Devices("cpu", (0,)))), Multicard(strategy(Devices("cpu", (0,))))):
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = mc.setup(model, optimizer)
+        criterion = mc.setup_criterion(nn.CrossEntropyLoss())
+        for x, y in mc.setup_dataloader(DataLoader(tiny_images(50), 10, shuffle=True)):
+            optimizer.zero_grad()
+            mc.backward(criterion(model(x), y))
+            optimizer.step()
+        model.eval()
+        with torch.no_grad():  # a test function's own code: plain outputs, whatever the strategy
+            x, y = tiny_images(20, 1)[:]
+            correct = (model(x).argmax(1) == y).sum().item()
+        assert list(model.state_dict()) == list(mlp().state_dict())
+        results.append((model.state_dict(), correct))
+    (w1, c1), (w2, c2) = results
+    assert c1 == c2
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-5, atol=1e-6)
+
+
+# -- on a card ----------------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("strategy, precision", [("single", "fp32"), ("single", "bf16"), ("ddp", "fp32")])
+def test_cuda_users_loop(strategy, precision, tmp_path):
+    result = multicard.launch(sgd_job, str(tmp_path), strategy=strategy, devices="cuda:0", precision=precision)
+    reference = multicard.launch(sgd_job, str(tmp_path), strategy="single", devices="cpu")
+    for key, value in reference["weights"].items():
+        tolerance = 1e-4 if precision == "fp32" else 5e-2
+        assert (result["weights"][key].cpu() - value).abs().max().item() <= tolerance, key
