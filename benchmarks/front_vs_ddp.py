@@ -1,16 +1,16 @@
-"""The same user loop on 2 CPU processes, written with multicard's front object and by hand with raw DDP.
+"""The same user loop written with multicard's front object and by hand with raw DDP, on 2 CPU processes.
 
-by hand:   torch.multiprocessing.spawn, init_process_group("gloo"), DistributedDataParallel(model),
-           DataLoader(dataset, batch_size=global / 2, sampler=DistributedSampler(dataset, shuffle=True)),
-           sampler.set_epoch(epoch), loss.backward().
-multicard: multicard.launch(fn, devices="cpu:2"); in fn: mc.setup(model, optimizer),
-           mc.setup_dataloader(DataLoader(dataset, batch_size=global, shuffle=True)), mc.backward(loss).
-Both: LeNet5 (same init), Adam 1e-3, global batch 64, mnist-5k training split (augment off), the same loop body
-and the same timing (barrier, 1 warm-up epoch, --epochs timed epochs, barrier), torch.set_num_threads(cores // 2)
-in each process. Two datasets: a map-style Dataset served sample by sample (the DataLoader collates: the same
-DataLoader on both sides, so the ratio is the front object's own overhead: target >= 0.98x), and a TensorDataset
-(there setup_dataloader cuts whole batches by one index each: what a user of multicard gets for the same code).
-Rate = global training samples / seconds of the timed epochs, on rank 0. Rounds rotate the order; medians reported.
+by hand:   DistributedDataParallel(model), DataLoader(dataset, batch_size=global / 2,
+           sampler=DistributedSampler(dataset, shuffle=True)), sampler.set_epoch(epoch), loss.backward().
+multicard: mc.setup(model, optimizer), mc.setup_dataloader(DataLoader(dataset, batch_size=global, shuffle=True)),
+           mc.backward(loss).
+Both run in the SAME two processes (started by multicard.launch, one gloo process group), one timed epoch at a
+time in turn, so that the machine's noise (shared cores, process placement) falls on both alike; the order
+rotates every round. Each side: LeNet5 (same init), Adam 1e-3, global batch 64, mnist-5k training split (augment
+off), one untimed warm-up epoch. Two datasets: a map-style Dataset served sample by sample (the DataLoader
+collates on both sides: the ratio is the front object's own overhead, target >= 0.98x), and a TensorDataset
+(where setup_dataloader cuts whole batches by one index each: what a multicard user gets for the same code).
+Rate = global training samples / seconds of an epoch (barrier before and after), on rank 0.
 
     .venv/bin/python benchmarks/front_vs_ddp.py [--epochs 3] [--repeats 5] [--out benchmarks/results/...]
 """
@@ -18,27 +18,23 @@ Rate = global training samples / seconds of the timed epochs, on rank 0. Rounds 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _common import interleaved, load_mnist5k, machine, parse_args, report
+from _common import load_mnist5k, machine, parse_args, report
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
 from multicard.devices import cpu_cores
-from multicard.launcher import free_port
 from multicard.models import LeNet5
 
 BATCH, LR, SEED, PROCS = 64, 1e-3, 0, 2
+NAMES = ["multicard, Dataset", "by hand, Dataset", "multicard, TensorDataset", "by hand, TensorDataset"]
 
 
 class Samples(Dataset):
@@ -54,87 +50,79 @@ class Samples(Dataset):
         return self.x[i], self.y[i]
 
 
-def dataset(kind: str, x: torch.Tensor, y: torch.Tensor) -> Dataset:
-    return TensorDataset(x, y) if kind == "tensor" else Samples(x, y)
+def side(mc, name: str, x, y) -> tuple[Callable[[], None], torch.nn.Module]:
+    """One epoch of the user's loop (identical on both sides), set up the side's way; and the plain model."""
+    torch.manual_seed(SEED)
+    model = LeNet5()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    data = TensorDataset(x, y) if name.endswith("TensorDataset") else Samples(x, y)
+    if name.startswith("multicard"):
+        model, optimizer = mc.setup(model, optimizer)
+        loader, backward, set_epoch = mc.setup_dataloader(DataLoader(data, BATCH, shuffle=True)), mc.backward, None
+    else:
+        model = DistributedDataParallel(model)
+        sampler = DistributedSampler(data, num_replicas=mc.world_size, rank=mc.rank, shuffle=True, seed=SEED)
+        loader = DataLoader(data, BATCH // mc.world_size, sampler=sampler)
+        backward, set_epoch = (lambda loss: loss.backward()), sampler.set_epoch
+    epochs = iter(range(10**9))
 
-
-def timed(model, optimizer, loader, epochs: int, backward: Callable, set_epoch: Callable, barrier: Callable) -> float:
-    """The user's loop, identical on both sides: seconds of the epochs after the first."""
-    model.train()
-    for epoch in range(epochs + 1):
-        set_epoch(epoch)
-        if epoch == 1:  # epoch 0 is the warm-up
-            barrier()
-            start = time.perf_counter()
+    def epoch() -> None:
+        model.train()
+        if set_epoch is not None:
+            set_epoch(next(epochs))
         for inputs, targets in loader:
             loss = F.cross_entropy(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             backward(loss)
             optimizer.step()
-    barrier()
-    return time.perf_counter() - start
+
+    return epoch, model.module
 
 
-def accuracy(model, x_test, y_test) -> float:
+def job(mc, x, y, x_test, y_test, epochs: int, repeats: int) -> dict:
+    made = {name: side(mc, name, x, y) for name in NAMES}
+    sides = {name: run for name, (run, _) in made.items()}
+    for run in sides.values():  # warm-up
+        run()
+    rates: dict[str, list[float]] = {name: [] for name in NAMES}
+    for round_ in range(repeats):
+        shift = round_ % len(NAMES)
+        for name in [*NAMES[shift:], *NAMES[:shift]]:
+            mc.barrier()
+            start = time.perf_counter()
+            for _ in range(epochs):
+                sides[name]()
+            mc.barrier()
+            rates[name].append(epochs * len(x) / (time.perf_counter() - start))
+            mc.print(f"round {round_ + 1}/{repeats}  {name:25s} {rates[name][-1]:8,.0f} samples/s")
     with torch.no_grad():
-        model.eval()
-        return (model(x_test).argmax(-1) == y_test).double().mean().item()
-
-
-def by_hand(rank: int, port: int, kind: str, x, y, x_test, y_test, epochs: int, result: str) -> None:
-    torch.set_num_threads(max(1, cpu_cores() // PROCS))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=PROCS)
-    torch.manual_seed(SEED)
-    model = DistributedDataParallel(LeNet5())
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    data = dataset(kind, x, y)
-    sampler = DistributedSampler(data, num_replicas=PROCS, rank=rank, shuffle=True, seed=SEED)
-    loader = DataLoader(data, batch_size=BATCH // PROCS, sampler=sampler)
-    seconds = timed(model, optimizer, loader, epochs, lambda loss: loss.backward(), sampler.set_epoch, dist.barrier)
-    if rank == 0:
-        Path(result).write_text(json.dumps({"rate": epochs * len(data) / seconds,
-                                            "accuracy": accuracy(model.module, x_test, y_test)}))
-    dist.destroy_process_group()
-
-
-def with_multicard(mc, kind: str, x, y, x_test, y_test, epochs: int) -> tuple[float, float]:
-    torch.manual_seed(SEED)
-    model = LeNet5()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    model, optimizer = mc.setup(model, optimizer)
-    data = dataset(kind, x, y)
-    loader = mc.setup_dataloader(DataLoader(data, batch_size=BATCH, shuffle=True))
-    seconds = timed(model, optimizer, loader, epochs, mc.backward, lambda epoch: None, mc.barrier)
-    return epochs * len(data) / seconds, accuracy(mc.unwrap(model), x_test, y_test) if mc.is_main else 0.0
+        accs = {name: [(model.eval()(x_test).argmax(1) == y_test).double().mean().item()]
+                for name, (_, model) in made.items()}
+    return rates, accs
 
 
 def main() -> None:
     args = parse_args(__doc__, "benchmarks/results/front_vs_ddp.json")
     _, _, x, y, x_test, y_test = load_mnist5k()
-
-    def run(name: str) -> tuple[float, float]:
-        kind = "tensor" if name.endswith("TensorDataset") else "samples"
-        if name.startswith("multicard"):
-            return multicard.launch(with_multicard, kind, x, y, x_test, y_test, args.epochs, devices=f"cpu:{PROCS}")
-        with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
-            mp.spawn(by_hand, args=(free_port(), kind, x, y, x_test, y_test, args.epochs, str(result)), nprocs=PROCS)
-            out = json.loads(result.read_text())
-        return out["rate"], out["accuracy"]
-
-    names = ["multicard, Dataset", "by hand, Dataset", "multicard, TensorDataset", "by hand, TensorDataset"]
-    rates, accs = interleaved(names, args.repeats, run)
+    rates, accs = multicard.launch(job, x, y, x_test, y_test, args.epochs, args.repeats, devices=f"cpu:{PROCS}")
     report("front_vs_ddp", "loop",
-           f"{args.epochs} timed epochs (+1 warm-up) x {args.repeats} rotated rounds, mnist-5k train ({len(x)} "
+           f"{args.epochs} timed epochs per turn x {args.repeats} rotated rounds, mnist-5k train ({len(x)} "
            f"samples), LeNet5, {PROCS} processes (gloo), global batch {BATCH}, Adam {LR}",
            rates, accs, [],
            settings={"data": "mnist-5k train split, augment off", "train_samples": len(x), "model": "LeNet5",
                      "processes": PROCS, "backend": "gloo", "global_batch_size": BATCH,
                      "per_process_batch_size": BATCH // PROCS, "optimizer": f"Adam lr {LR}", "init_seed": SEED,
-                     "timed_epochs": args.epochs, "warmup_epochs": 1, "repeats": args.repeats,
-                     "order": "rotated each round"},
+                     "epochs_per_turn": args.epochs, "warmup_epochs": 1, "repeats": args.repeats,
+                     "order": "rotated each round, all four in the same two processes"},
            hardware=machine(threads_per_process=max(1, cpu_cores() // PROCS)), out=args.out)
+    result = json.loads(args.out.read_text())
+    result["paired"] = {}
+    for kind in ("Dataset", "TensorDataset"):  # multicard / by hand within each round, then the median of those
+        ratios = [m / h for m, h in zip(rates[f"multicard, {kind}"], rates[f"by hand, {kind}"], strict=True)]
+        result["paired"][kind] = {"median_ratio": statistics.median(ratios), "round_ratios": ratios}
+        print(f"multicard / by hand, {kind}: median of per-round ratios {statistics.median(ratios):.3f}x "
+              f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
