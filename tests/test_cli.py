@@ -108,6 +108,14 @@ BAD = {
     "lr-inf": (["--lr", "inf"], "--lr inf: must be a positive number"),
     "lr-gamma-negative": (["--lr-gamma", "-3"], "--lr-gamma -3.0: must be a positive number"),
     "workers-negative": (["--workers", "-1"], "--workers -1: must be at least 0"),
+    "momentum-1": (["--optimizer", "sgd", "--momentum", "1"], "--momentum 1.0: must be at least 0 and below 1"),
+    "nesterov-adam": (["--nesterov"], "--nesterov needs --optimizer sgd and a --momentum above 0"),
+    "accumulate-0": (["--accumulate", "0"], "--accumulate 0: must be at least 1"),
+    "accumulate-split": (["--batch-size", "64", "--accumulate", "3"], "--batch-size 64 does not split over 3 "
+                         "micro-batches x 1 processes; use a multiple of 3 (e.g. 63 or 66)"),
+    "clip-negative": (["--clip-grad-norm", "-1"], "--clip-grad-norm -1.0: must be a number of 0 or more"),
+    "warmup-too-long": (["--epochs", "2", "--warmup-epochs", "3"], "--warmup-epochs 3: longer than the run"),
+    "weight-decay-nan": (["--weight-decay", "nan"], "--weight-decay nan: must be a number of 0 or more"),
 }
 OLD_FILES = {"model.pt": b"an earlier run's model\x00\x01", "metrics.jsonl": b'{"epoch": 1}\n', "summary.json": b"{}\n"}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -121,3 +122,25 @@ def test_bench_on_the_card(tmp_path):
         assert row["device_names"][0].startswith("cuda:0 ") and row["peak_memory_mb"][0] > 0
         assert len(row["card_used_mb"]) == (1 if HAS_NVML else 0)
     assert ("NVML MB per card" in r.stdout) == HAS_NVML
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_cuda_fp16_with_accumulation_and_clipping(strategy, tmp_path):
+    r = run_cli("train", "--strategy", strategy, "--devices", "cuda:0", "--precision", "fp16", "--accumulate", "2",
+                "--clip-grad-norm", "1", "--optimizer", "sgd", "--lr", "0.05", *SMALL, "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = summary_of(tmp_path)
+    assert summary["config"]["precision"] == "fp16" and summary["skipped_steps"] >= 0
+    assert summary["optimizer_steps"] == 16 and math.isfinite(summary["train_loss"])
+
+
+@cuda
+def test_cuda_check_every_strategy_this_machine_runs():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA cards")
+    r = run_cli("check", "--devices", "cuda", "--data", "synthetic", "--synthetic-samples", "256", "--batch-size",
+                "32", "--steps", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == ["ddp", "dp", "dp-balanced"]
+    assert all(line.endswith("PASS") for line in r.stdout.splitlines() if line.startswith("parity:"))

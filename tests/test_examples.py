@@ -65,3 +65,11 @@ def test_accumulation_example(tmp_path):
               cwd=tmp_path)
     steps, accuracy = re.search(r"(\d+) steps of 64 samples, test accuracy (\d+)/1000", out.stdout).groups()
     assert int(steps) == 62 and int(accuracy) >= 700
+
+
+def test_the_readme_shows_the_real_diff():
+    readme = open(f"{ROOT}/README.md").read()
+    block = readme.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    one, mine = code_lines(f"{EXAMPLES}/mnist_one_card.py"), code_lines(f"{EXAMPLES}/mnist_your_loop.py")
+    assert sorted(line[1:] for line in block if line[0] == "-") == sorted(set(one) - set(mine))
+    assert sorted(line[1:] for line in block if line[0] == "+") == sorted(set(mine) - set(one))

@@ -171,7 +171,7 @@ def test_drop_last_drops_the_short_global_step():
     data = TensorDataset(torch.arange(10), torch.arange(10))
     loader = DataLoader(data, 4, shuffle=True, drop_last=True)
     parts = [multicard.data.loaders.shard(loader, train=True, rank=r, world=2, device=torch.device("cpu"),
-                                          local_batch=lambda b: b // 2, seed=0) for r in range(2)]
+                                          local_batch=lambda b, k=1: b // (2 * k), seed=0) for r in range(2)]
     steps = [sorted(a.tolist() + b.tolist()) for (_, a), (_, b) in zip(*parts, strict=True)]
     assert len(steps) == 2 and all(len(s) == 4 for s in steps) and len(set(sum(steps, []))) == 8
 

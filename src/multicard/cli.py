@@ -54,9 +54,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from .parity import check
 
-    result = check(config_from(args), args.steps, args.tolerance)
-    print("\n".join(result.lines()))
-    return 0 if result.ok else 1
+    results = check(config_from(args), args.steps, args.tolerance)
+    for result in results:
+        print("\n".join(result.lines()))
+    return 0 if all(r.ok for r in results) else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -107,10 +108,12 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)")
     add_config_flags(t)
     t.set_defaults(run=cmd_train)
-    c = sub.add_parser("check", help="parity: K steps on 1 process vs N (default: every card, else cpu:2)")
+    c = sub.add_parser("check", help="parity: K SGD steps on one device vs N (default: every card, else cpu:2), "
+                       "gradients and weights compared, for every strategy this machine can run")
     add_config_flags(c)
     c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
-    c.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed weight difference (default: 1e-4)")
+    c.add_argument("--tolerance", type=float, default=1e-4,
+                   help="largest allowed difference of a gradient or a weight (default: 1e-4)")
     c.set_defaults(run=cmd_check)
     r = sub.add_parser("run", help="run your own script (one using multicard.Multicard) in every process it needs",
                        description="Start SCRIPT (or -m MODULE) as every process of a job on this machine, like "

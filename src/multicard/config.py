@@ -17,6 +17,9 @@ def opt(default, help: str, **meta):
 
 
 STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULERS = ("step", "cosine", "onecycle", "none")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -47,10 +50,26 @@ class TrainConfig:
     batch_size: int = opt(64, "global batch size: samples per optimizer step, split over processes")
     # evaluation keeps no activations for backward, so it can take big batches
     eval_batch_size: int = opt(1000, "global batch size for evaluation")
-    lr: float = opt(1e-3, "Adam learning rate (the seeds' value)")
+    lr: float = opt(1e-3, "learning rate (the peak, after any warm-up; Adam's 1e-3 is the seeds' value)")
+    # the seeds' Adam; SGD with momentum for the classic recipes; AdamW decouples the weight decay
+    optimizer: str = opt("adam", "adam, adamw or sgd", choices=OPTIMIZERS)
+    # SGD's usual momentum; Adam and AdamW keep their own betas
+    momentum: float = opt(0.9, "sgd: momentum (0 for plain SGD)")
+    nesterov: bool = opt(False, "sgd: Nesterov momentum")
+    # 0: no decay; AdamW's decay is decoupled from the gradient, the others add it to the gradient
+    weight_decay: float = opt(0.0, "weight decay (L2 for adam and sgd, decoupled for adamw)")
+    # step: the seeds' StepLR, once per epoch; cosine and onecycle change the rate every optimizer step
+    scheduler: str = opt("step", "step (StepLR per epoch), cosine, onecycle or none (per optimizer step)",
+                         choices=SCHEDULERS)
     # the seeds step the rate down with StepLR; here counted in epochs
-    lr_step: int = opt(20, "StepLR: multiply the rate by --lr-gamma every this many epochs")
-    lr_gamma: float = opt(0.1, "StepLR factor")
+    lr_step: int = opt(20, "step: multiply the rate by --lr-gamma every this many epochs")
+    lr_gamma: float = opt(0.1, "step: the factor")
+    # a linear ramp from ~0 to --lr over the first epochs (fractions allowed), before the schedule
+    warmup_epochs: float = opt(0.0, "epochs of linear warm-up to --lr (fractions allowed; onecycle: its rise)")
+    # K micro-batches per optimizer step: the same update as the whole --batch-size, in 1/K of the memory
+    accumulate: int = opt(1, "micro-batches per optimizer step (--batch-size stays the samples per step)")
+    # 0: off; else the norm over all parameters of the whole model, however the gradients are spread
+    clip_grad_norm: float = opt(0.0, "clip the gradients' total norm to this (0: off)")
     # small random rotations, scalings and shifts: +1.5 points on 4,000 training images
     augment: bool = opt(True, "randomly rotate / scale / shift training images")
     # one seed makes a run repeatable; each rank adds its rank for what should differ (augmentation)
@@ -60,8 +79,11 @@ class TrainConfig:
 
     # the fast path for small models: data lives on the device, batches are cut there, no DataLoader at all
     device_data: bool = opt(False, "hold the whole dataset on the device and index batches there")
-    # exact fp32 stays the default; bf16 autocast is faster on cards at a small cost in precision
-    precision: str = opt("fp32", "fp32, or bf16 (autocast)", choices=("fp32", "bf16"))
+    # exact fp32 stays the default; bf16 autocast is faster on cards at a small cost in precision; fp16 needs a
+    # gradient scaler (steps with inf/nan gradients are skipped, and counted in the summary)
+    precision: str = opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + gradient scaler)", choices=PRECISIONS)
+    # BatchNorm statistics per process differ from one process's; synchronized, they are the whole batch's
+    sync_bn: bool = opt(False, "ddp: BatchNorm layers compute their statistics over all processes")
     # compiling costs tens of seconds up front; worth it only for long runs on cards
     compile: bool = opt(False, "torch.compile the model")
 
@@ -71,11 +93,28 @@ class TrainConfig:
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
 
     def validate(self) -> None:
-        """Refuse numbers that cannot work, before anything runs (torch would fail later, some after an epoch)."""
+        """Refuse settings that cannot work, before anything runs (torch would fail later, some after an epoch).
+        The library calls this too: TrainConfig(precision="fp8") is refused, never trained in fp32."""
         for flag, value, least in (("--epochs", self.epochs, 1), ("--lr-step", self.lr_step, 1),
-                                   ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1)):
+                                   ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1),
+                                   ("--accumulate", self.accumulate, 1)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
         for flag, value in (("--lr", self.lr), ("--lr-gamma", self.lr_gamma)):
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
+        for flag, value in (("--weight-decay", self.weight_decay), ("--clip-grad-norm", self.clip_grad_norm),
+                            ("--warmup-epochs", self.warmup_epochs)):
+            if not 0 <= value < math.inf:
+                raise UsageError(f"{flag} {value}: must be a number of 0 or more")
+        if not 0 <= self.momentum < 1:
+            raise UsageError(f"--momentum {self.momentum}: must be at least 0 and below 1")
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            raise UsageError("--nesterov needs --optimizer sgd and a --momentum above 0")
+        if self.warmup_epochs > self.epochs:
+            raise UsageError(f"--warmup-epochs {self.warmup_epochs:g}: longer than the run (--epochs {self.epochs})")
+        for flag, value, allowed in (("--strategy", self.strategy, STRATEGIES), ("--optimizer", self.optimizer,
+                                     OPTIMIZERS), ("--scheduler", self.scheduler, SCHEDULERS),
+                                     ("--precision", self.precision, PRECISIONS)):
+            if value not in allowed:
+                raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from .dist import job_from_env
 from .errors import UsageError
 from .strategies import Strategy
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}  # the autocast dtype of each
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
 OPS = ("sum", "mean", "max", "min")
 
 
@@ -36,13 +37,16 @@ class Multicard:
 
     strategy: auto, single, ddp, dp or dp-balanced (auto: ddp on 2+ cards or in a launched job, else single).
     devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
-    precision: fp32, or bf16 (the model's forward under autocast; its outputs handed back in fp32).
+    precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
+    same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
+    gradients overflowed, counted in mc.skipped_steps; mc.scaler goes into checkpoints).
     seed: the data order's seed where a shuffling DataLoader has no generator of its own (every process
     must deal out the same order). Under `multicard run`, "auto" takes the launcher's --strategy / --devices.
+    sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
-                 seed: int = 0, find_unused_parameters: bool = False):
+                 seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False):
         if precision not in PRECISIONS:
             raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
@@ -54,8 +58,10 @@ class Multicard:
             # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
             devices = os.environ.get("MULTICARD_DEVICES", devices) if self.job.launcher == "multicard" else devices
             strategy = strategies.create(strategy, select(devices), self.job, find_unused_parameters)
-        self._strategy, self.precision, self.seed = strategy, precision, seed
+        self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
+        self.scaler: torch.amp.GradScaler | None = None  # fp16 only
+        self._skipped: torch.Tensor | None = None
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -100,10 +106,10 @@ class Multicard:
         """Who started this process: none, multicard, torchrun or slurm."""
         return self.job.launcher
 
-    def local_batch(self, global_batch: int, what: str = "batch size") -> int:
-        """Samples per process per step for a global batch; one that does not split is one clear error
-        naming `what`."""
-        return self._strategy.local_batch(global_batch, what)
+    def local_batch(self, global_batch: int, what: str = "batch size", accumulate: int = 1) -> int:
+        """Samples per process per (micro-)batch for a global batch of `accumulate` micro-batches; one that does
+        not split is one clear error naming `what`."""
+        return self._strategy.local_batch(global_batch, what, accumulate=accumulate)
 
     def launch(self, fn: Callable, *args: Any) -> Any:
         """fn(mc, *args) in every process the strategy needs: spawned here (a free port; the first failure stops
@@ -119,7 +125,7 @@ class Multicard:
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
         return launcher.spawn(_launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
-                                                                      fn, args))
+                                                                      self.sync_batchnorm, fn, args))
 
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:
@@ -133,6 +139,9 @@ class Multicard:
         self._strategy.start(self.job)
         self._state = "started"
         memory.reset(self._strategy.cards)
+        if self.precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device.type)
+            self._skipped = torch.zeros((), dtype=torch.int64, device=self.device)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -155,9 +164,47 @@ class Multicard:
         self._start()
         if isinstance(model, Prepared):
             raise UsageError("this model was set up already: call setup once per model")
+        if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
+            model = self._strategy.sync_batchnorm(model)
         forward = self._strategy.wrap_model(model.to(self.device))
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision])
+        self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
+
+    def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
+        """For optimizers built after setup(model) (e.g. over model.parameters() on the device): given back as
+        they are, except that under fp16 their step() goes through the gradient scaler."""
+        self._start()
+        for optimizer in optimizers if self.scaler is not None else ():
+            self._step_through_scaler(optimizer)
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def _step_through_scaler(self, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
+        the loop keeps calling optimizer.step(). A bound method still, so LR schedulers can wrap it as usual."""
+        plain, scaler, busy = optimizer.step, self.scaler, []
+
+        def step(opt, *args, **kwargs):
+            if busy:  # GradScaler.step calls optimizer.step itself: that is the plain step
+                return plain(*args, **kwargs)
+            busy.append(True)
+            try:
+                before = scaler._scale.clone()
+                out = scaler.step(opt, *args, **kwargs)
+                scaler.update()
+                self._skipped += scaler._scale < before  # backed off: this step was skipped (no host sync)
+                return out
+            finally:
+                busy.clear()
+
+        if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
+            step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(step, optimizer)
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: optimizer steps the scaler skipped because a gradient overflowed (0 in other precisions)."""
+        return int(self._skipped) if self._skipped is not None else 0
 
     def setup_criterion(self, criterion: Callable) -> Callable:
         """dp-balanced: the criterion runs on every card, on the outputs left there. Others: as it is."""
@@ -165,7 +212,7 @@ class Multicard:
         return self._strategy.wrap_loss(criterion)
 
     def setup_dataloader(self, loader: DataLoader, train: bool = True, *, global_batch: bool = True,
-                         device_data: bool = False) -> Sharded:
+                         device_data: bool = False, accumulate: int = 1) -> Sharded:
         """This process's share of `loader`, its batches on the device, reshuffled on each pass.
 
         Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
@@ -175,15 +222,21 @@ class Multicard:
         train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
         DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
         holds a TensorDataset on the device and cuts batches there.
+
+        accumulate=K: batch_size stays the samples per optimizer step, served as K micro-batches; after each,
+        `loader.step_ends` says whether it ends its step and `loader.share` is its part of the step's samples
+        (scale its loss by that: the short last step of an epoch is weighted by samples, not by count).
         """
         self._start()
+        if accumulate < 1:
+            raise UsageError(f"accumulate={accumulate}: must be at least 1")
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, seed=self.seed, global_batch=global_batch,
-                     device_data=device_data)
+                     device_data=device_data, accumulate=accumulate)
 
-    def _loader_batch(self, batch: int) -> int:
+    def _loader_batch(self, batch: int, accumulate: int = 1) -> int:
         hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
-        return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint)
+        return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint, accumulate)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""
@@ -191,7 +244,18 @@ class Multicard:
 
     # -- training steps --------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """loss.backward(); under fp16 the loss is scaled first."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Scale the gradients down so that their norm over ALL parameters of the whole model is at most
+        max_norm (after unscaling under fp16); returns that norm as it was (a tensor: compare, no host sync).
+        Call it between the last backward and optimizer.step(); every strategy gets the same number."""
+        if not 0 < max_norm < float("inf"):
+            raise UsageError(f"max_norm {max_norm}: must be a positive number")
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        return self._strategy.clip_grad_norm(model, max_norm)
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
@@ -319,9 +383,9 @@ def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "aut
     return Multicard(strategy, devices, precision, **options).launch(fn, *args)
 
 
-def _launched(strategy: Strategy, precision: str, seed: int, fn: Callable, args: tuple) -> Any:
+def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple) -> Any:
     """The body of a process that Multicard.launch spawned."""
-    mc = Multicard(strategy, precision=precision, seed=seed)
+    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)
 

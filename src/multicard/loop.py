@@ -43,41 +43,64 @@ def evaluate(mc: Multicard, model: nn.Module, stats: Callable, loader) -> dict[s
 
 
 def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, criterion: Callable,
-        stats: Callable, train_loader, test_loader, config: TrainConfig,
+        stats: Callable, train_loader, test_loader, config: TrainConfig, per_step: bool = True,
         on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
     """Train the set-up `model` for config.epochs; return one record per epoch. `criterion` and `stats` (the
-    loss and the metric, stacked) are set up with mc; the loaders too."""
+    loss and the metric, stacked) are set up with mc; the loaders too (the training one with config.accumulate
+    micro-batches per step). The scheduler steps after every optimizer step (`per_step`) or every epoch."""
     forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
     bar = tqdm(total=config.epochs * len(train_loader), unit="step", dynamic_ncols=True,
                disable=config.quiet or not mc.is_main or not sys.stderr.isatty())
-    history = []
+    history, first_loss = [], None
     for epoch in range(config.epochs):
         model.train()
-        lr = optimizer.param_groups[0]["lr"]
-        loss_sum, samples = torch.zeros((), dtype=torch.float64, device=mc.device), 0
+        loss_sum, samples, lrs = torch.zeros((), dtype=torch.float64, device=mc.device), 0, []
+        clipped = torch.zeros((), dtype=torch.int64, device=mc.device)
         start = time.perf_counter()
         for inputs, targets in train_loader:
-            loss = criterion(forward(inputs), targets)
-            optimizer.zero_grad(set_to_none=True)
-            mc.backward(loss)
-            optimizer.step()
+            ends = train_loader.step_ends
+            with mc.no_backward_sync(model, enabled=not ends):  # no all-reduce until the step's last micro-batch
+                loss = criterion(forward(inputs), targets)
+                mc.backward(loss * train_loader.share)  # weighted by samples: the step's mean, not K means
+            if ends:
+                if config.clip_grad_norm:
+                    clipped += mc.clip_gradients(model, optimizer, config.clip_grad_norm) > config.clip_grad_norm
+                lrs.append(optimizer.param_groups[0]["lr"])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if per_step:
+                    scheduler.step()
+            if first_loss is None:
+                first_loss = loss.item()  # the loss before any step: where "blown up" is measured from
             n = count(targets)
             loss_sum.add_(loss.detach(), alpha=n)  # one op: float32 loss into the float64 sum
             samples += n
             bar.update()
-        loss_sum, samples = mc.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(samples)])).tolist()
+        totals = mc.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(samples), clipped.double()]))
+        loss_sum, samples, clipped_steps = totals.tolist()
         seconds = time.perf_counter() - start  # after the reduction's .tolist(): the device work is done
-        scheduler.step()
-        record = {"epoch": epoch + 1, "train_loss": loss_sum / samples, "lr": lr,
-                  "samples_per_s": samples / seconds, "seconds": seconds}
+        if not per_step:
+            scheduler.step()
+        record = {"epoch": epoch + 1, "train_loss": loss_sum / samples, "lr": sum(lrs) / max(len(lrs), 1),
+                  "samples_per_s": samples / seconds, "seconds": seconds, "optimizer_steps": len(lrs),
+                  "clipped_steps": int(clipped_steps), "skipped_steps": mc.skipped_steps}
         if test_loader is not None:
             record.update(evaluate(mc, forward, stats, test_loader))
-        if not math.isfinite(record["train_loss"]):  # a setting made training diverge: say which one to turn
-            raise UsageError(f"epoch {epoch + 1}: the training loss is {record['train_loss']}: training diverged; "
-                             f"try a smaller --lr (this run: {config.lr:g})")
+        diverged(record, first_loss, config)
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")
         history.append(record)
         if on_epoch is not None:
             on_epoch(record)
     bar.close()
     return history
+
+
+def diverged(record: dict, first_loss: float, config: TrainConfig) -> None:
+    """One line naming --lr when the training loss is not a number, or has blown up to more than 10 times its
+    value before the first step (--lr 100 on LeNet-5: a loss of 1e15 and 10% accuracy, which is no result)."""
+    loss = record["train_loss"]
+    if math.isfinite(loss) and (loss <= 10 * first_loss or loss <= first_loss + 1):
+        return
+    why = f"is {loss}" if not math.isfinite(loss) else f"rose from {first_loss:.3g} to {loss:.3g}"
+    raise UsageError(f"epoch {record['epoch']}: the training loss {why}: training diverged; try a smaller --lr "
+                     f"(this run: {config.lr:g})")

@@ -1,86 +1,173 @@
-"""multicard check: do N processes (or cards) learn what one learns? K steps each, same global batch and seed,
-then every parameter compared."""
+"""multicard check: do N processes (or cards) learn what one learns?
+
+The same K optimizer steps of plain SGD (no momentum: a wrong gradient shows in the weights, where Adam would
+normalize a wrong scale away) run on one process and under each strategy this machine can run, with the same
+global batch, data order and initial weights, and the run's own knobs (--accumulate, --clip-grad-norm,
+--sync-bn). The first step's gradients and the final weights are compared; a gradient that differs is named
+as the cause, with the ratio that tells a sum from an average.
+"""
 
 from __future__ import annotations
 
-import tempfile
-from dataclasses import dataclass, replace
-from pathlib import Path
+import copy
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from . import data, models
 from .config import TrainConfig
 from .data.images import ImageData
 from .devices import select
 from .errors import UsageError
-from .run import train
+from .front import Multicard, launch
+from .strategies import Strategy
+
+LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding
+
+
+@dataclass
+class Side:
+    grads: dict[str, torch.Tensor]  # of the first optimizer step, as the optimizer saw them
+    weights: dict[str, torch.Tensor]  # after the last step (buffers included)
+    loss: float  # mean training loss over the K steps, over every process
 
 
 @dataclass
 class Parity:
-    steps: int
-    processes: int
     strategy: str
-    max_diff: float
-    worst: str  # the parameter that differs most
-    loss_single: float
-    loss_many: float
+    processes: int
+    steps: int
     tolerance: float
-    causes: list[str]
+    grad_diff: float
+    grad_worst: str
+    grad_ratio: float  # |gradients| under N over |gradients| on one: N when summed instead of averaged
+    weight_diff: float
+    weight_worst: str
+    loss_one: float
+    loss_many: float
+    causes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.max_diff <= self.tolerance
+        return self.grad_diff <= self.tolerance and self.weight_diff <= self.tolerance
 
     def lines(self) -> list[str]:
-        verdict = "PASS" if self.ok else "FAIL"
-        out = [f"parity: {self.steps} steps, 1 process vs {self.processes} ({self.strategy}): largest parameter "
-               f"difference {self.max_diff:.2e} ({self.worst}), tolerance {self.tolerance:.0e}: {verdict}",
-               f"training loss: {self.loss_single:.6f} on one, {self.loss_many:.6f} on {self.processes}"]
+        out = [f"parity: {self.steps} SGD steps (lr {LR}, no momentum), one device vs {self.processes} "
+               f"({self.strategy}): first-step gradients differ by {self.grad_diff:.2e} ({self.grad_worst}), "
+               f"weights by {self.weight_diff:.2e} ({self.weight_worst}); tolerance {self.tolerance:.0e}: "
+               f"{'PASS' if self.ok else 'FAIL'}",
+               f"training loss: {self.loss_one:.6f} on one, {self.loss_many:.6f} under {self.strategy}"]
         if not self.ok:
             out += ["likely cause: " + c for c in self.causes or ["none known; look for rank-dependent code"]]
         return out
 
 
-def likely_causes(model: nn.Module) -> list[str]:
+def sgd_steps(mc: Multicard, model: nn.Module, dataset: ImageData, config: TrainConfig) -> Side:
+    """In every process: K steps of the recipe's loop (SGD instead of its optimizer) on `dataset`."""
+    torch.manual_seed(config.seed + mc.rank)  # dropout, if any, draws per rank, as in training
+    model = mc.setup(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = mc.setup_dataloader(DataLoader(dataset, config.batch_size, shuffle=True,
+                                            generator=torch.Generator().manual_seed(config.seed)),
+                                 accumulate=config.accumulate)
+    criterion = mc.setup_criterion(nn.CrossEntropyLoss())
+    grads, total = None, torch.zeros(2, dtype=torch.float64, device=mc.device)
+    for x, y in loader:
+        with mc.no_backward_sync(model, enabled=not loader.step_ends):
+            loss = criterion(model(x), y)
+            mc.backward(loss * loader.share)
+        total += torch.stack([loss.detach().double() * len(y), total.new_tensor(len(y))])
+        if loader.step_ends:
+            if config.clip_grad_norm:
+                mc.clip_gradients(model, optimizer, config.clip_grad_norm)
+            if grads is None:
+                grads = {k: p.grad.detach().cpu().clone() for k, p in mc.unwrap(model).named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    loss_sum, samples = mc.all_reduce(total).tolist()
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return Side(grads, weights, loss_sum / samples)
+
+
+def worst(one: dict[str, torch.Tensor], many: dict[str, torch.Tensor]) -> tuple[float, str]:
+    diffs = {k: (one[k].double() - many[k].double()).abs().max().item() for k in one if one[k].numel()}
+    name = max(diffs, key=diffs.get)
+    return diffs[name], name
+
+
+def norm(tensors: dict[str, torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in tensors.values()])).item()
+
+
+def likely_causes(result: Parity, model: nn.Module, config: TrainConfig) -> list[str]:
     causes = []
+    if result.grad_diff > result.tolerance:
+        cause = (f"the gradients differ from the first step (norm ratio {result.grad_ratio:.3f} of one "
+                 f"process's)")
+        if result.processes > 1 and abs(result.grad_ratio - result.processes) < 0.05 * result.processes:
+            cause += f": they look summed over the {result.processes} processes instead of averaged"
+        causes.append(cause)
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        causes.append("BatchNorm keeps statistics per replica; convert with torch.nn.SyncBatchNorm."
-                      "convert_sync_batchnorm for identical results")
+        if result.strategy == "ddp" and not config.sync_bn:
+            causes.append("BatchNorm computes its statistics per process; add --sync-bn (sync_batchnorm=True) "
+                          "to compute them over the whole batch")
+        elif result.strategy != "ddp":
+            causes.append(f"BatchNorm computes its statistics per card under {result.strategy}")
     if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         causes.append("dropout draws its masks from each rank's own RNG, so masks differ per rank")
     return causes
 
 
-def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4) -> Parity:
-    """Train `steps` optimizer steps on one process and on the config's devices; compare the weights."""
-    if steps < 1:
-        raise UsageError(f"--steps {steps}: must be at least 1")
-    devices_text = config.devices if config.devices != "auto" or select("auto").count > 1 else "cpu:2"
-    many = select(devices_text)
+def runnable(config: TrainConfig) -> tuple[list[str], str]:
+    """The strategies to compare with one process, and the devices for them."""
+    cards = select("auto").count if select("auto").kind == "cuda" else 0
+    devices = config.devices if config.devices != "auto" else ("cuda" if cards > 1 else "cpu:2")
+    many = select(devices)
     if many.count < 2:
         raise UsageError(f"--devices {config.devices}: parity needs 2 or more devices, e.g. cpu:2 or 0,1")
-    train_set, _ = data.load(config.data, config.data_dir, config.download, False, config.synthetic_samples)
+    if config.strategy != "auto":
+        return [config.strategy], devices
+    return (["ddp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp"]), devices
+
+
+def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
+          strategies: list[str | Strategy] | None = None) -> list[Parity]:
+    """One Parity per strategy (those this machine can run, or `strategies`: names or Strategy objects)."""
+    config.validate()
+    if steps < 1:
+        raise UsageError(f"--steps {steps}: must be at least 1")
+    if not 0 <= tolerance < float("inf"):
+        raise UsageError(f"--tolerance {tolerance}: must be a number of 0 or more")
+    names, devices = runnable(config) if strategies is None else (strategies, config.devices)
+    torch.manual_seed(config.seed)
+    model = models.build(config.model)
+    shape = tuple(getattr(model, "input_shape", (1, 28, 28)))
+    train_set, _ = data.load(config.data, config.data_dir, config.download, False, config.synthetic_samples,
+                             config.seed, shape)
+    if tuple(train_set.tensors[0].shape[1:]) != shape:  # the data does not fit the model: its shape decides
+        train_set, _ = data.load("synthetic", synthetic_samples=steps * config.batch_size, seed=config.seed,
+                                 shape=shape)
     size = steps * config.batch_size
     if size > len(train_set):
         raise UsageError(f"--steps {steps} x --batch-size {config.batch_size} needs {size} samples; "
                          f"{config.data} has {len(train_set)}")
     subset = ImageData(train_set.tensors[0][:size], train_set.tensors[1][:size], train_set.mean, train_set.std)
-    base = replace(config, epochs=1, augment=False, quiet=True, lr_step=max(config.lr_step, 1))
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {}  # the many-device run first: the single run may start CUDA in this process
-        for key, strategy, devices in (("many", config.strategy, devices_text),
-                                       ("one", "single", "cpu" if many.kind == "cpu" else "cuda:0")):
-            torch.manual_seed(config.seed)
-            model = models.build(config.model)
-            out = str(Path(tmp) / key)
-            summary = train(model, subset, None, replace(base, strategy=strategy, devices=devices, out=out))
-            runs[key] = (summary, torch.load(Path(out) / "model.pt", weights_only=True))
-    (one, one_state), (many_summary, many_state) = runs["one"], runs["many"]
-    diffs = {k: (one_state[k].double() - many_state[k].double()).abs().max().item() for k in one_state}
-    worst = max(diffs, key=diffs.get)
-    return Parity(steps, many_summary["world_size"] if many_summary["strategy"] == "ddp" else many.count,
-                  many_summary["strategy"], diffs[worst], worst, one["train_loss"], many_summary["train_loss"],
-                  tolerance, likely_causes(model))
+    kinds = {select(devices).kind if isinstance(n, str) else n.devices.kind for n in names}
+    results, sides = [], {}
+    for name in names:  # the many-device runs first: the single run may start CUDA in this process
+        counted = select(devices) if isinstance(name, str) else name.devices
+        mc = Multicard(name, devices if isinstance(name, str) else "auto", sync_batchnorm=config.sync_bn)
+        sides[mc.strategy] = counted.count, mc.launch(sgd_steps, copy.deepcopy(model), subset, config)
+    one = launch(sgd_steps, copy.deepcopy(model), subset, config, strategy="single",
+                 devices="cpu" if kinds == {"cpu"} else "cuda:0")
+    for strategy, (processes, many) in sides.items():
+        grad_diff, grad_worst = worst(one.grads, many.grads)
+        weight_diff, weight_worst = worst(one.weights, many.weights)
+        result = Parity(strategy, processes, steps, tolerance, grad_diff, grad_worst,
+                        norm(many.grads) / max(norm(one.grads), 1e-30), weight_diff, weight_worst, one.loss,
+                        many.loss)
+        result.causes = likely_causes(result, model, config)
+        results.append(result)
+    return results

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,26 +22,42 @@ from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
 from .loop import accuracy, fit
+from .recipe import make_optimizer, make_scheduler
 from .report import Report, say
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
           config: TrainConfig | None = None, criterion: Callable | None = None,
-          metric: Callable = accuracy, **overrides) -> dict:
+          metric: Callable = accuracy, optimizer: Any = None, scheduler: Callable | None = None,
+          step_scheduler_every: str = "epoch", **overrides) -> dict:
     """Train `model` with the strategy and devices of `config` (keyword overrides allowed, e.g. epochs=2).
 
     `train_data` / `test_data` yield (inputs, targets); `criterion(outputs, targets)` returns the batch mean
-    (CrossEntropyLoss by default). Where the strategy needs several processes they are spawned here, so call
-    this under `if __name__ == "__main__":` and keep model, data and criterion picklable. Returns the summary.
+    (CrossEntropyLoss by default). `optimizer`: your own, built over `model.parameters()` (rebuilt with its class
+    and settings in each process), or a function params -> optimizer; default: config.optimizer. `scheduler`:
+    a function optimizer -> scheduler, stepped every "epoch" or every optimizer "step"
+    (step_scheduler_every); default: config.scheduler. Where the strategy needs several processes they are
+    spawned here, so call this under `if __name__ == "__main__":` and keep model, data, criterion and these
+    functions picklable (module-level functions, functools.partial). A name (optimizer="sgd",
+    scheduler="cosine") sets the config's field instead. Returns the summary.
     """
+    for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if isinstance(value, str):
+            overrides[name] = value
+    optimizer, scheduler = (None if isinstance(v, str) else v for v in (optimizer, scheduler))
     config = replace(config or TrainConfig(), **overrides)
     config.validate()
+    if step_scheduler_every not in ("epoch", "step"):
+        raise UsageError(f"step_scheduler_every={step_scheduler_every!r}: choose 'epoch' or 'step'")
     mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
-                   find_unused_parameters=config.find_unused_parameters)
-    mc.local_batch(config.batch_size, "--batch-size")  # a bad global batch fails here, before any process starts
+                   find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn)
+    mc.local_batch(config.batch_size, "--batch-size", config.accumulate)  # a bad global batch fails here, before
+    # any process starts
     if mc.job.rank == 0:  # only rank 0 writes; last, once every other input is known good: a refused run makes
         prepare_out(config.out)  # nothing
-    summary = mc.launch(worker, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config)
+    recipe = (optimizer, scheduler, step_scheduler_every)
+    summary = mc.launch(worker, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config,
+                        recipe)
     if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
         checkpoint.load(model, Path(config.out) / "model.pt")  # up trained too, as with one process
     return summary
@@ -61,59 +78,67 @@ def prepare_out(out: str) -> None:
 
 
 def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Dataset | None, criterion: Callable,
-           metric: Callable, config: TrainConfig) -> dict:
-    """The body of every training process: the seeds' recipe (Adam, StepLR) on the user's model and data."""
+           metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch")) -> dict:
+    """The body of every training process: the recipe (the seeds' Adam and StepLR by default) on the user's
+    model and data."""
     begin = time.perf_counter()
+    given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: augmentation and dropout differ
     cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
     model = mc.setup(model)
-    optimizer = adam(list(model.parameters()), config.lr)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_step, gamma=config.lr_gamma)
+    optimizer = mc.setup_optimizers(make_optimizer(list(model.parameters()), config, given_optimizer))
     loss_fn = mc.setup_criterion(criterion)
     stats = mc.setup_criterion(lambda out, y: torch.stack([criterion(out, y).double(), metric(out, y).double()]))
     shuffled = torch.Generator().manual_seed(config.seed)  # the data order: the same in every process
     train_loader = mc.setup_dataloader(DataLoader(train_data, config.batch_size, shuffle=True, generator=shuffled,
                                                   num_workers=config.workers, pin_memory=cuda),
-                                       device_data=config.device_data)
+                                       device_data=config.device_data, accumulate=config.accumulate)
     test_loader = None if test_data is None else mc.setup_dataloader(
         DataLoader(test_data, config.eval_batch_size, num_workers=config.workers, pin_memory=cuda), train=False,
         device_data=config.device_data)
+    steps_per_epoch = -(-len(train_loader) // config.accumulate)
+    scheduler = make_scheduler(optimizer, config, steps_per_epoch, given_scheduler)
     report = Report(Path(config.out), config, mc.is_main)
     if mc.is_main:
         note = f" ({mc.device_note})" if mc.device_note else ""
+        micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
         say(f"training {type(mc.unwrap(model)).__name__} on {len(train_data)} samples: strategy {mc.strategy}, "
-            f"{mc.world_size} process(es) on {mc.device.type}, global batch {config.batch_size} "
-            f"({train_loader.local_batch_size} per process){note}")
-    history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, report.epoch)
-    names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in mc.cards] or ["cpu"]
-    last = history[-1]
-    summary = {
-        "strategy": mc.strategy, "world_size": mc.world_size, "launcher": mc.launcher,
-        "devices": flat(mc.gather(names)), "epochs": config.epochs, "global_batch_size": config.batch_size,
-        "per_process_batch_size": train_loader.local_batch_size,
-        **{k: last[k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples") if k in last},
-        "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in history)
-        / max(sum(r["seconds"] for r in history), 1e-9),
-        "wall_s": time.perf_counter() - begin, "peak_memory_mb": flat(mc.gather(mc.peak_memory_mb())),
-        "card_used_mb": flat(mc.gather(mc.card_used_mb())),  # NVML; [] where it cannot be read
-        "model": type(mc.unwrap(model)).__name__, "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
-    }
+            f"{mc.world_size} process(es) on {mc.device.type}, global batch {config.batch_size}{micro} "
+            f"({train_loader.local_batch_size} per process{' per micro-batch' if micro else ''}){note}")
+    per_step = given_scheduler is None or every == "step"
+    history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
+                  report.epoch)
+    summary = summarize(mc, model, history, config, train_loader.local_batch_size, time.perf_counter() - begin)
     if mc.is_main:
         report.finish(summary, model)
     mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
     return summary
 
 
+def summarize(mc: Multicard, model: nn.Module, history: list[dict], config: TrainConfig, local_batch: int,
+              wall_s: float) -> dict:
+    """What summary.json holds. The throughput leaves out the first epoch (start-up: lazy CUDA, cuDNN's
+    autotuning, allocator growth), reported on its own, unless it is the only one."""
+    names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in mc.cards] or ["cpu"]
+    last, timed = history[-1], history[1:] or history
+    return {
+        "strategy": mc.strategy, "world_size": mc.world_size, "launcher": mc.launcher,
+        "devices": flat(mc.gather(names)), "epochs": config.epochs, "global_batch_size": config.batch_size,
+        "per_process_batch_size": local_batch * config.accumulate, "accumulate": config.accumulate,
+        **{k: last[k] for k in ("train_loss", "test_loss", "test_accuracy", "test_samples") if k in last},
+        "train_samples_per_s": sum(r["samples_per_s"] * r["seconds"] for r in timed)
+        / max(sum(r["seconds"] for r in timed), 1e-9),
+        "throughput_epochs": "all but the first" if len(history) > 1 else "the only one",
+        "first_epoch_samples_per_s": history[0]["samples_per_s"],
+        "optimizer_steps": sum(r["optimizer_steps"] for r in history),
+        "clipped_steps": sum(r["clipped_steps"] for r in history), "skipped_steps": last["skipped_steps"],
+        "wall_s": wall_s, "peak_memory_mb": flat(mc.gather(mc.peak_memory_mb())),
+        "card_used_mb": flat(mc.gather(mc.card_used_mb())),  # NVML; [] where it cannot be read
+        "model": type(mc.unwrap(model)).__name__, "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
+    }
+
+
 def flat(parts: list[list]) -> list:
     return [v for part in parts for v in part]
-
-
-def adam(params: list, lr: float) -> torch.optim.Adam:
-    """Adam fused into one kernel per step where this torch can do that for these parameters: the same
-    algorithm, fewer launches (measurably faster for small models); plain Adam elsewhere."""
-    try:
-        return torch.optim.Adam(params, lr=lr, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(params, lr=lr)

@@ -109,10 +109,14 @@ class InMemory:
 
 class Sharded:
     """A loader as set up: this process's share, moved to `device`, reshuffled on each pass (no set_epoch to
-    remember). Other attributes (dataset, batch_size, ...) are the user's loader's."""
+    remember). Other attributes (dataset, batch_size, ...) are the user's loader's.
 
-    def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device):
-        self.inner, self.original, self.device, self.epoch = inner, original, device, 0
+    With `accumulate` K, its batches are micro-batches, K to an optimizer step: after each one is served,
+    `step_ends` says whether it ends its step, and `share` is its part of that step's samples."""
+
+    def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1):
+        self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
+        self.step_ends, self.share = True, 1.0
 
     @property
     def sampler(self) -> Sampler:
@@ -121,7 +125,7 @@ class Sharded:
 
     @property
     def local_batch_size(self) -> int | None:
-        """Samples per step in this process (the DataLoader's batch_size is the global batch)."""
+        """Samples per (micro-)batch in this process (the DataLoader's batch_size is the global batch)."""
         sampler = self.inner.sampler
         return sampler.batch_size if isinstance(sampler, BatchSampler) else self.inner.batch_size
 
@@ -132,11 +136,23 @@ class Sharded:
     def __len__(self) -> int:
         return len(self.inner)
 
+    def micro_batch_sizes(self) -> list[int]:
+        """This process's samples in each batch of a pass: all full but the last (the sampler's remainder)."""
+        count, size = len(self), self.local_batch_size or 1
+        drops = getattr(self.inner, "drop_last", False)
+        last = size if drops or not count else len(self.sampler) - (count - 1) * size
+        return [size] * (count - 1) + [last] if count else []
+
     def __iter__(self):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
-        for batch in self.inner:
+        k = self.accumulate
+        sizes = self.micro_batch_sizes() if k > 1 else []
+        for i, batch in enumerate(self.inner):
+            if k > 1:
+                step = sizes[i // k * k: i // k * k + k]
+                self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             yield to_device(batch, self.device)
 
     def __getattr__(self, name: str) -> Any:
@@ -146,21 +162,21 @@ class Sharded:
 
 
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
-          local_batch: Callable[[int], int], seed: int, global_batch: bool = True,
-          device_data: bool = False) -> Sharded:
+          local_batch: Callable[..., int], seed: int, global_batch: bool = True, device_data: bool = False,
+          accumulate: int = 1) -> Sharded:
     """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
     if not isinstance(loader, DataLoader):
         raise UsageError(f"setup_dataloader takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
-    dataset = loader.dataset
+    dataset, accumulate = loader.dataset, accumulate if train else 1  # evaluation takes no optimizer steps
     if isinstance(dataset, IterableDataset):
         raise UsageError("an IterableDataset cannot be dealt out by index: give each process its own part "
                          "(mc.rank of mc.world_size), or use a map-style dataset")
     if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
         if device_data:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
-        return Sharded(loader, loader, device)
+        return Sharded(loader, loader, device, accumulate)
     if loader.batch_size is None:
         raise UsageError("this DataLoader has a batch_sampler of its own, which multicard cannot deal out; "
                          "give it batch_size (and shuffle) instead, or shard it yourself with a DistributedSampler")
@@ -170,30 +186,32 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         raise UsageError(f"this DataLoader draws with a {type(loader.sampler).__name__}, which multicard cannot "
                          f"deal out over processes; use shuffle=True or False, or a DistributedSampler of your own")
     batch = loader.batch_size
-    if not global_batch:
-        local = batch
-    elif train:
-        local = local_batch(batch)
-    else:  # evaluation: any split is exact, so no batch size is refused
-        local = -(-batch // world)
+    if not train:  # evaluation: any split is exact, so no batch size is refused
+        local = -(-batch // world) if global_batch else batch
+    elif global_batch:
+        local = local_batch(batch, accumulate)
+    elif batch % accumulate:
+        raise UsageError(f"the DataLoader's batch_size {batch} does not split into {accumulate} micro-batches")
+    else:
+        local = batch // accumulate
     if train:
         generator = getattr(loader.sampler, "generator", None)
         order = GlobalOrder(len(dataset), rank, world, shuffle=isinstance(loader.sampler, RandomSampler),
                             seed=generator.initial_seed() if generator is not None else seed,
-                            drop_last=loader.drop_last, step=local * world)
+                            drop_last=loader.drop_last, step=local * world * accumulate)
     else:
         order = ShardSampler(len(dataset), rank, world)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
     if device_data and not whole_batches:
         raise UsageError("device_data=True needs a TensorDataset and the default collate_fn")
     if whole_batches and (device_data or loader.num_workers == 0):
-        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device)
+        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
     kept = {name: getattr(loader, name) for name in KEPT}
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
         inner = DataLoader(dataset, batch_size=None, sampler=BatchSampler(order, local, drop_last=False), **kept)
     else:
         inner = DataLoader(dataset, batch_size=local, sampler=order, collate_fn=loader.collate_fn, **kept)
-    return Sharded(inner, loader, device)
+    return Sharded(inner, loader, device, accumulate)
 
 
 def to_device(batch, device: torch.device):

@@ -55,17 +55,20 @@ class Strategy:
         """The CUDA cards this process drives (their peak memory is reported)."""
         return [self.device.index] if self.device.type == "cuda" else []
 
-    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "") -> int:
-        """Samples per process per step, from the global batch (samples per optimizer step). `what` names the
-        setting in an error, `hint` adds another way out."""
+    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "", accumulate: int = 1) -> int:
+        """Samples per process per micro-batch, from the global batch (samples per optimizer step) cut into
+        `accumulate` micro-batches. `what` names the setting in an error, `hint` adds another way out."""
         if global_batch < 1:
             raise UsageError(f"{what} {global_batch}: must be at least 1")
-        if global_batch % self.world:
-            lo, hi = global_batch // self.world * self.world, -(-global_batch // self.world) * self.world
+        parts = self.world * accumulate
+        if global_batch % parts:
+            lo, hi = global_batch // parts * parts, -(-global_batch // parts) * parts
             examples = f"{lo} or {hi}" if lo else f"{hi}"
-            raise UsageError(f"{what} {global_batch} does not split over {self.world} processes; "
-                             f"use a multiple of {self.world} (e.g. {examples}){hint}")
-        return global_batch // self.world
+            into = f"{accumulate} micro-batches x {self.world} processes" if accumulate > 1 else \
+                f"{self.world} processes"
+            raise UsageError(f"{what} {global_batch} does not split over {into}; use a multiple of {parts} "
+                             f"(e.g. {examples}){hint}")
+        return global_batch // parts
 
     # -- in the process that trains --------------------------------------------------------------------
     def start(self, job: Job) -> None:
@@ -74,6 +77,10 @@ class Strategy:
             torch.cuda.set_device(self.device)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """BatchNorm layers that compute their statistics over every process (one process: nothing to do)."""
         return model
 
     def wrap_loss(self, fn: Callable) -> Callable:
@@ -86,6 +93,10 @@ class Strategy:
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward leaves the gradients unreduced (one process: there is nothing to reduce)."""
         return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of every parameter of `model` to a total norm of max_norm; the norm before."""
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`tensor` combined over all processes by op (sum, max or min), as a new tensor."""

@@ -15,6 +15,7 @@ from .. import dist
 from ..devices import cpu_cores
 from ..dist import Job
 from ..errors import UsageError
+from . import syncbn
 from .base import Strategy
 
 
@@ -42,6 +43,11 @@ class DDP(Strategy):
             torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
         dist.init(job, self.device.type)
+
+    def sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return syncbn.convert(model)  # torch's runs on cards only
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         ids = [self.device] if self.device.type == "cuda" else None

@@ -23,12 +23,13 @@ class DP(Strategy):
         """Every chosen card: one process drives them all, so each gets its own peak memory entry."""
         return list(self.devices.ids) if self.devices.kind == "cuda" else []
 
-    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "") -> int:
-        batch = super().local_batch(global_batch, what, hint)  # one process: the whole global batch
+    def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "", accumulate: int = 1) -> int:
+        batch = super().local_batch(global_batch, what, hint, accumulate)  # one process: the whole (micro-)batch
         cards = len(self.cards)
         if batch < cards:  # DataParallel would silently leave the last cards idle
-            raise UsageError(f"{what} {global_batch} is smaller than the {cards} cards of --strategy "
-                             f"{self.name}; every card needs a sample: use {what} {cards} or more")
+            raise UsageError(f"{what} {global_batch} is smaller than the {cards} cards of --strategy {self.name}"
+                             f"{f' x {accumulate} micro-batches' if accumulate > 1 else ''}; every card needs a "
+                             f"sample: use {what} {cards * accumulate} or more")
         return batch
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
