@@ -20,4 +20,8 @@ test: setup
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/pytest
 
-.PHONY: setup train test
+# the slow end-to-end tests as well (CI runs these after make test)
+test-all: test
+	$(BIN)/pytest -m slow
+
+.PHONY: setup train test test-all

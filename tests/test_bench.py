@@ -30,6 +30,7 @@ def swept(tmp_path_factory):
     return out, result.stdout
 
 
+@pytest.mark.slow
 def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
     out, _ = swept
     report = json.loads((out / "bench.json").read_text())
@@ -57,6 +58,7 @@ def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
     assert report["fast"]["batch_size"] == 64 and report["fast"]["scaling_efficiency"] is None
 
 
+@pytest.mark.slow
 def test_sweep_prints_the_table_and_writes_markdown_and_plot(swept):
     out, stdout = swept
     assert "samples/s" in stdout and "ddp" in stdout and "seed loop" in stdout and "bench.png" in stdout

@@ -180,6 +180,7 @@ def test_torchrun_single_node(tmp_path):
     assert (summary["world_size"], summary["launcher"], summary["strategy"]) == (2, "torchrun", "ddp")
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_localhost(tmp_path):
     port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -39,6 +40,7 @@ def test_your_loop_differs_from_the_one_card_script_by_at_most_10_lines():
     assert 0 < len(changed) <= 10, changed
 
 
+@pytest.mark.slow
 def test_your_loop_on_two_processes_learns_and_counts_every_test_digit_once(tmp_path, monkeypatch):
     out = run(f"{BIN}/multicard", "run", "--devices", "cpu:2", f"{EXAMPLES}/mnist_your_loop.py", "--epochs", "1",
               "--save-model", cwd=tmp_path)
@@ -52,6 +54,7 @@ def test_your_loop_on_two_processes_learns_and_counts_every_test_digit_once(tmp_
     Net().load_state_dict(torch.load(tmp_path / "mnist_cnn.pt", weights_only=True))
 
 
+@pytest.mark.slow
 def test_your_loop_under_python_and_torchrun(tmp_path):
     alone = run(sys.executable, f"{EXAMPLES}/mnist_your_loop.py", "--epochs", "1", "--dry-run", cwd=tmp_path)
     started = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -60,6 +63,7 @@ def test_your_loop_under_python_and_torchrun(tmp_path):
         assert len(re.findall(r"Accuracy: \d+/1000", out.stdout)) == 1
 
 
+@pytest.mark.slow
 def test_accumulation_example(tmp_path):
     out = run(f"{BIN}/multicard", "run", "--devices", "cpu:2", f"{EXAMPLES}/accumulate.py", "--epochs", "1",
               cwd=tmp_path)
