@@ -263,6 +263,7 @@ CHECK = dict(data="synthetic", synthetic_samples=256, batch_size=32)
 def test_the_check_fails_on_a_summed_gradient_and_names_it():
     (result,) = check(TrainConfig(**CHECK), steps=4, strategies=[SummingDDP(Devices("cpu", (0, 1)), Job())])
     assert not result.ok and result.grad_ratio == pytest.approx(2, rel=1e-3)
+    assert result.weight_bound == result.tolerance  # LeNet-5 does not amplify rounding: no allowance
     assert any("gradients differ from the first step" in line and "summed over the 2 processes" in line
                for line in result.lines())
 

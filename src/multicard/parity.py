@@ -3,8 +3,12 @@
 The same K optimizer steps of plain SGD (no momentum: a wrong gradient shows in the weights, where Adam would
 normalize a wrong scale away) run on one process and under each strategy this machine can run, with the same
 global batch, data order and initial weights, and the run's own knobs (--accumulate, --clip-grad-norm,
---sync-bn). The first step's gradients and the final weights are compared; a gradient that differs is named
-as the cause, with the ratio that tells a sum from an average.
+--sync-bn). The first step's gradients are compared against --tolerance: nothing has compounded yet, so they
+agree to float rounding. The final weights are compared against --tolerance too, or against the model's own
+sensitivity where that is larger: one process run again from weights nudged by 1e-7 (float rounding's size)
+shows how far rounding alone carries this model in K steps (a BatchNorm ResNet on random labels is chaotic:
+1e-7 becomes 1e-4 in 5 steps; LeNet-5 stays near 1e-7 for 20). A gradient that differs is named as the cause,
+with the ratio that tells a sum from an average.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from .front import Multicard, launch
 from .strategies import Strategy
 
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding
+NUDGE = 1e-7  # float32 rounding's size: the start of the reference run that measures the model's own sensitivity
+SENSITIVITY = 10  # weights may differ up to this many times what that nudge alone makes them differ
 
 
 @dataclass
@@ -45,13 +51,18 @@ class Parity:
     grad_ratio: float  # |gradients| under N over |gradients| on one: N when summed instead of averaged
     weight_diff: float
     weight_worst: str
+    sensitivity: float  # how far one process's weights move from a 1e-7 nudge of the start, in the same steps
     loss_one: float
     loss_many: float
     causes: list[str] = field(default_factory=list)
 
     @property
+    def weight_bound(self) -> float:
+        return max(self.tolerance, SENSITIVITY * self.sensitivity)
+
+    @property
     def ok(self) -> bool:
-        return self.grad_diff <= self.tolerance and self.weight_diff <= self.tolerance
+        return self.grad_diff <= self.tolerance and self.weight_diff <= self.weight_bound
 
     def lines(self) -> list[str]:
         out = [f"parity: {self.steps} SGD steps (lr {LR}, no momentum), one device vs {self.processes} "
@@ -59,6 +70,10 @@ class Parity:
                f"weights by {self.weight_diff:.2e} ({self.weight_worst}); tolerance {self.tolerance:.0e}: "
                f"{'PASS' if self.ok else 'FAIL'}",
                f"training loss: {self.loss_one:.6f} on one, {self.loss_many:.6f} under {self.strategy}"]
+        if self.weight_bound > self.tolerance:
+            out.append(f"this model's own sensitivity: weights nudged by {NUDGE:.0e} at the start end "
+                       f"{self.sensitivity:.2e} apart on one process after the same steps, so the weights may "
+                       f"differ by up to {self.weight_bound:.2e} ({SENSITIVITY}x that)")
         if not self.ok:
             out += ["likely cause: " + c for c in self.causes or ["none known; look for rank-dependent code"]]
         return out
@@ -91,10 +106,20 @@ def sgd_steps(mc: Multicard, model: nn.Module, dataset: ImageData, config: Train
     return Side(grads, weights, loss_sum / samples)
 
 
+
 def worst(one: dict[str, torch.Tensor], many: dict[str, torch.Tensor]) -> tuple[float, str]:
     diffs = {k: (one[k].double() - many[k].double()).abs().max().item() for k in one if one[k].numel()}
     name = max(diffs, key=diffs.get)
     return diffs[name], name
+
+
+def nudge(model: nn.Module) -> nn.Module:
+    """A copy of `model` with every weight multiplied by 1 + NUDGE x (a fixed normal draw)."""
+    nudged, g = copy.deepcopy(model), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.mul_(1 + NUDGE * torch.randn(p.shape, generator=g).to(p.dtype))
+    return nudged
 
 
 def norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -160,14 +185,16 @@ def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
         counted = select(devices) if isinstance(name, str) else name.devices
         mc = Multicard(name, devices if isinstance(name, str) else "auto", sync_batchnorm=config.sync_bn)
         sides[mc.strategy] = counted.count, mc.launch(sgd_steps, copy.deepcopy(model), subset, config)
-    one = launch(sgd_steps, copy.deepcopy(model), subset, config, strategy="single",
-                 devices="cpu" if kinds == {"cpu"} else "cuda:0")
+    one_device = "cpu" if kinds == {"cpu"} else "cuda:0"
+    one = launch(sgd_steps, copy.deepcopy(model), subset, config, strategy="single", devices=one_device)
+    nudged = launch(sgd_steps, nudge(model), subset, config, strategy="single", devices=one_device)
+    sensitivity = worst(one.weights, nudged.weights)[0]
     for strategy, (processes, many) in sides.items():
         grad_diff, grad_worst = worst(one.grads, many.grads)
         weight_diff, weight_worst = worst(one.weights, many.weights)
         result = Parity(strategy, processes, steps, tolerance, grad_diff, grad_worst,
-                        norm(many.grads) / max(norm(one.grads), 1e-30), weight_diff, weight_worst, one.loss,
-                        many.loss)
+                        norm(many.grads) / max(norm(one.grads), 1e-30), weight_diff, weight_worst, sensitivity,
+                        one.loss, many.loss)
         result.causes = likely_causes(result, model, config)
         results.append(result)
     return results
