@@ -13,7 +13,8 @@ import multicard
 from conftest import cuda, sharded, tiny_images
 from multicard.devices import Devices
 from multicard.errors import UsageError
-from multicard.front import Multicard, Prepared
+from multicard.front import Multicard
+from multicard.prepared import Prepared
 from multicard.strategies.dp import DP
 from multicard.strategies.single import Single
 from test_dp import CPUBalanced

@@ -68,8 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import strategies
     from .devices import select
     from .dist import job_from_env
-    from .front import job_choice
-    from .launcher import run_command
+    from .launcher import job_choice, run_command
 
     job = job_from_env()
     if job.launched:

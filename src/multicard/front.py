@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import copy
 import os
-import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from .data.loaders import Sharded, shard
 from .devices import select
 from .dist import job_from_env
 from .errors import UsageError
+from .prepared import Prepared
 from .strategies import Strategy
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
@@ -112,8 +112,8 @@ class Multicard:
         return self._strategy.local_batch(global_batch, what, accumulate=accumulate)
 
     def launch(self, fn: Callable, *args: Any) -> Any:
-        """fn(mc, *args) in every process the strategy needs: spawned here (a free port; the first failure stops
-        all, with that rank's traceback), or right here in a job this process already belongs to. Returns what
+        """fn(mc, *args) in every process the strategy needs: spawned here (the first failure stops all, with that
+        rank's traceback), or right here in a job this process already belongs to. Returns what
         fn returned on rank 0. Every process tears down its process group when fn returns. A module passed in
         `args` arrives in each spawned process as a copy of its own."""
         if self.job.launched or self._strategy.processes == 1:
@@ -135,7 +135,7 @@ class Multicard:
         if self._state == "closed":
             raise UsageError("this Multicard was closed (launch() closes it when fn returns); make a new one")
         if not self.job.launched and self._strategy.processes > 1:
-            relaunch(self._strategy)
+            launcher.relaunch(self._strategy)
         self._strategy.start(self.job)
         self._state = "started"
         memory.reset(self._strategy.cards)
@@ -324,59 +324,6 @@ class Multicard:
         return memory.card_used_mb(self.cards)
 
 
-class Prepared(nn.Module):
-    """A model as set up: the strategy's wrapper runs the forward (under autocast where `dtype` is given, the
-    outputs handed back in fp32). Everything else reads as the user's own model: its attributes, `.module`,
-    and its state_dict, which has no wrapper prefix."""
-
-    def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None):
-        super().__init__()
-        self.forward_module = forward_module  # registered: train(), eval() and parameters() reach the model
-        self.__dict__.update(_module=module, _autocast=(device_type, dtype))  # not registered a second time
-
-    @property
-    def module(self) -> nn.Module:
-        return self.__dict__["_module"]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        device_type, dtype = self._autocast
-        if dtype is None:
-            return self.forward_module(*args, **kwargs)
-        with torch.autocast(device_type, dtype):
-            return to_fp32(self.forward_module(*args, **kwargs))
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(checkpoint.unprefixed(state_dict), strict, assign)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if "_module" not in self.__dict__:
-                raise
-            return getattr(self.__dict__["_module"], name)
-
-
-def to_fp32(obj: Any) -> Any:
-    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
-    per-card outputs with its sample counts included)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        out = copy.copy(obj)  # a list subclass keeps what else it carries
-        out[:] = [to_fp32(v) for v in obj]
-        return out
-    if isinstance(obj, tuple):
-        items = [to_fp32(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
 def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "auto", precision: str = "fp32",
            **options: Any) -> Any:
     """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...)."""
@@ -388,19 +335,3 @@ def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: boo
     mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)
-
-
-def relaunch(strategy: Strategy) -> None:
-    """Run this script again as each rank of a job, wait, and end this process with their exit code."""
-    if not sys.argv or sys.argv[0] in ("", "-c") or not getattr(sys.modules["__main__"], "__file__", None):
-        raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
-                         f"{strategy.processes} processes: put the work in fn(mc) and call mc.launch(fn), or "
-                         f"start the script with multicard run")
-    command = [sys.executable, *sys.orig_argv[1:]]
-    sys.exit(launcher.run_command(command, strategy.processes, job_choice(strategy)))
-
-
-def job_choice(strategy: Strategy) -> dict[str, str]:
-    """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
-    CUDA_VISIBLE_DEVICES to the chosen cards already)."""
-    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}

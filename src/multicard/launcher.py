@@ -19,10 +19,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .dist import job_from_env
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .strategies import Strategy
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
 
@@ -190,3 +193,19 @@ def _die_with(parent: int) -> None:
         return
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def relaunch(strategy: Strategy) -> None:
+    """Run this script again as each rank of a job, wait, and end this process with their exit code."""
+    if not sys.argv or sys.argv[0] in ("", "-c") or not getattr(sys.modules["__main__"], "__file__", None):
+        raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
+                         f"{strategy.processes} processes: put the work in fn(mc) and call mc.launch(fn), or "
+                         f"start the script with multicard run")
+    command = [sys.executable, *sys.orig_argv[1:]]
+    sys.exit(run_command(command, strategy.processes, job_choice(strategy)))
+
+
+def job_choice(strategy: Strategy) -> dict[str, str]:
+    """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
+    CUDA_VISIBLE_DEVICES to the chosen cards already)."""
+    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}
