@@ -26,6 +26,7 @@ from multicard.parity import check
 from multicard.strategies.ddp import DDP
 from multicard.strategies.single import Single
 from test_dp import CPUBalanced
+from test_front import CPUDP
 
 PLAIN = dict(strategy="single", devices="cpu", augment=False, quiet=True, seed=0)
 
@@ -165,7 +166,8 @@ def clipped_norm(mc: Multicard) -> float:
 
 def test_clipping_takes_the_same_norm_under_every_strategy():
     single = Multicard(Single(Devices("cpu", (0,)))).launch(clipped_norm)
-    for mc in (Multicard("ddp", "cpu:2"), Multicard(CPUBalanced(Devices("cpu", (0,))))):
+    for mc in (Multicard("ddp", "cpu:2"), Multicard(CPUDP(Devices("cpu", (0,)))),
+               Multicard(CPUBalanced(Devices("cpu", (0,))))):
         norm, after = mc.launch(clipped_norm)
         assert norm == pytest.approx(single[0], rel=1e-5) and after == pytest.approx(1.0, rel=1e-4)
     assert single[0] > 1
