@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .dist import job_from_env
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -58,14 +57,6 @@ def job_env(rank: int, world: int, port: int) -> dict[str, str]:
     return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
                 TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
-
-
-def run(fn: Callable, nprocs: int, args: tuple = ()) -> Any:
-    """fn(*args) in `nprocs` fresh processes, or right here when one process is enough or this process is
-    already one rank of a launched job. Returns what fn returned on rank 0."""
-    if nprocs == 1 or job_from_env().launched:
-        return fn(*args)
-    return spawn(fn, nprocs, args)
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:

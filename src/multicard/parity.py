@@ -147,7 +147,8 @@ def likely_causes(result: Parity, model: nn.Module, config: TrainConfig) -> list
 
 def runnable(config: TrainConfig) -> tuple[list[str], str]:
     """The strategies to compare with one process, and the devices for them."""
-    cards = select("auto").count if select("auto").kind == "cuda" else 0
+    auto = select("auto")
+    cards = auto.count if auto.kind == "cuda" else 0
     devices = config.devices if config.devices != "auto" else ("cuda" if cards > 1 else "cpu:2")
     many = select(devices)
     if many.count < 2:
@@ -179,10 +180,10 @@ def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
         raise UsageError(f"--steps {steps} x --batch-size {config.batch_size} needs {size} samples; "
                          f"{config.data} has {len(train_set)}")
     subset = ImageData(train_set.tensors[0][:size], train_set.tensors[1][:size], train_set.mean, train_set.std)
-    kinds = {select(devices).kind if isinstance(n, str) else n.devices.kind for n in names}
-    results, sides = [], {}
+    results, sides, kinds = [], {}, set()
     for name in names:  # the many-device runs first: the single run may start CUDA in this process
         counted = select(devices) if isinstance(name, str) else name.devices
+        kinds.add(counted.kind)
         mc = Multicard(name, devices if isinstance(name, str) else "auto", sync_batchnorm=config.sync_bn)
         sides[mc.strategy] = counted.count, mc.launch(sgd_steps, copy.deepcopy(model), subset, config)
     one_device = "cpu" if kinds == {"cpu"} else "cuda:0"

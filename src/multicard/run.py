@@ -51,10 +51,11 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
         raise UsageError(f"step_scheduler_every={step_scheduler_every!r}: choose 'epoch' or 'step'")
     mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn)
-    mc.local_batch(config.batch_size, "--batch-size", config.accumulate)  # a bad global batch fails here, before
-    # any process starts
-    if mc.job.rank == 0:  # only rank 0 writes; last, once every other input is known good: a refused run makes
-        prepare_out(config.out)  # nothing
+    # a bad global batch fails here, before any process starts
+    mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
+    # only rank 0 writes; last, once every other input is known good: a refused run makes nothing
+    if mc.job.rank == 0:
+        prepare_out(config.out)
     recipe = (optimizer, scheduler, step_scheduler_every)
     summary = mc.launch(worker, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config,
                         recipe)
