@@ -87,6 +87,19 @@ class TrainConfig:
     # compiling costs tens of seconds up front; worth it only for long runs on cards
     compile: bool = opt(False, "torch.compile the model")
 
+    # never lose a run: checkpoints to resume from, restarts, and no silent hang
+    save_every: int = opt(0, "write a checkpoint into --out/checkpoints every this many epochs (0: never)")
+    save_every_steps: int = opt(0, "write a checkpoint every this many optimizer steps (0: never)")
+    keep_checkpoints: int = opt(2, "checkpoints kept (the newest; 0 keeps all)")
+    # auto: the newest checkpoint in --out/checkpoints, or a fresh start if there is none
+    resume: str = opt("", "continue exactly from a checkpoint: auto (the newest in --out) or its PATH")
+    # spawned runs only; under torchrun use its own --max-restarts with --resume auto
+    max_restarts: int = opt(0, "when a process dies: stop all, start again from the last checkpoint, this "
+                            "many times")
+    # a LeNet-5 step takes milliseconds: 120 s without progress is a frozen or missing process, never slowness
+    timeout: float = opt(120.0, "seconds a collective or the rendezvous may wait for a process before the job "
+                         "stops, naming it")
+
     # output
     quiet: bool = opt(False, "no progress bar, no per-epoch lines, no list of the files written")
     # a rerun with the same --out replaces that run's files
@@ -97,10 +110,13 @@ class TrainConfig:
         The library calls this too: TrainConfig(precision="fp8") is refused, never trained in fp32."""
         for flag, value, least in (("--epochs", self.epochs, 1), ("--lr-step", self.lr_step, 1),
                                    ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1),
-                                   ("--accumulate", self.accumulate, 1)):
+                                   ("--accumulate", self.accumulate, 1), ("--save-every", self.save_every, 0),
+                                   ("--save-every-steps", self.save_every_steps, 0),
+                                   ("--keep-checkpoints", self.keep_checkpoints, 0),
+                                   ("--max-restarts", self.max_restarts, 0)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
-        for flag, value in (("--lr", self.lr), ("--lr-gamma", self.lr_gamma)):
+        for flag, value in (("--lr", self.lr), ("--lr-gamma", self.lr_gamma), ("--timeout", self.timeout)):
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
         for flag, value in (("--weight-decay", self.weight_decay), ("--clip-grad-norm", self.clip_grad_norm),

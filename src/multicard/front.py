@@ -43,10 +43,13 @@ class Multicard:
     seed: the data order's seed where a shuffling DataLoader has no generator of its own (every process
     must deal out the same order). Under `multicard run`, "auto" takes the launcher's --strategy / --devices.
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
+    timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
+    the process that stopped making progress.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
-                 seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False):
+                 seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
+                 timeout: float = 120.0):
         if precision not in PRECISIONS:
             raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
@@ -58,6 +61,9 @@ class Multicard:
             # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
             devices = os.environ.get("MULTICARD_DEVICES", devices) if self.job.launcher == "multicard" else devices
             strategy = strategies.create(strategy, select(devices), self.job, find_unused_parameters)
+        if not 0 < timeout < float("inf"):
+            raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
+        strategy.timeout_s = timeout
         self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
@@ -332,6 +338,7 @@ def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "aut
 
 def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple) -> Any:
     """The body of a process that Multicard.launch spawned."""
-    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm)
+    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
+                   timeout=strategy.timeout_s)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)

@@ -50,7 +50,8 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     if step_scheduler_every not in ("epoch", "step"):
         raise UsageError(f"step_scheduler_every={step_scheduler_every!r}: choose 'epoch' or 'step'")
     mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
-                   find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn)
+                   find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
+                   timeout=config.timeout)
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
     # only rank 0 writes; last, once every other input is known good: a refused run makes nothing

@@ -20,6 +20,7 @@ from ..errors import UsageError
 
 class Strategy:
     name = "single"
+    timeout_s = 120.0  # how long the rendezvous and each collective may wait for another process
 
     def __init__(self, devices: Devices, job: Job | None = None, find_unused_parameters: bool = False):
         self.devices = devices

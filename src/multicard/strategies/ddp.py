@@ -42,7 +42,7 @@ class DDP(Strategy):
         if self.devices.kind == "cpu":  # each process takes its share of the cores, not all of them
             torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
-        dist.init(job, self.device.type)
+        dist.init(job, self.device.type, self.timeout_s)
 
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.device.type == "cuda":
