@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,11 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, **kw) -> 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "multicard", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def shown(out) -> dict[str, bytes]:
+    """What --out shows a user: its visible files (through their links into the run that ended well), by name."""
+    return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir()) if not p.name.startswith(".") and p.is_file()}
 
 
 def tiny_images(n: int = 96, seed: int = 0) -> ImageData:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, shown
 
 FAST = {"OMP_NUM_THREADS": "1"}  # 2 shared cores: one thread per run is quicker
 CHEAP_DATA = ("--data", "synthetic", "--synthetic-samples", "64", "--quiet")  # a case's own --data comes later
@@ -57,7 +57,7 @@ def test_train_end_to_end(tmp_path):
     assert "Traceback" not in result.stderr
     lines = (result.stdout + result.stderr).splitlines()  # quiet: what ran and how it ended, nothing per epoch
     assert len(lines) == 2 and "training LeNet5" in lines[0] and lines[1].startswith("multicard: done: "), lines
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert list(shown(out)) == ["metrics.jsonl", "model.pt", "summary.json"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["epoch"] == 1
     summary = json.loads((out / "summary.json").read_text())
@@ -152,7 +152,8 @@ def check_error(returncode: int, stdout: str, stderr: str, words: str, out: Path
     assert len(lines) == 1, stderr
     assert lines[0].startswith("multicard: error: ")
     assert words in lines[0]
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == OLD_FILES  # the earlier run is untouched
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == OLD_FILES  # the earlier run is untouched, and no
+    # lock file or run folder is left behind
 
 
 def skip_without_cards_only(name: str) -> None:

@@ -7,8 +7,11 @@ import gzip
 import hashlib
 import http.client
 import io
+import tracemalloc
 import urllib.error
 import urllib.request
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +49,11 @@ def idx_bytes(array: np.ndarray, magic: int | None = None) -> bytes:
     return head + array.astype(np.uint8).tobytes()
 
 
+def header(magic: int, *shape: int) -> bytes:
+    """An IDX header alone, for any claimed shape (idx_bytes would need the array that shape describes)."""
+    return magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in shape)
+
+
 def write(path: Path, raw: bytes, gz: bool = False) -> Path:
     path = path.with_name(path.name + ".gz") if gz else path
     path.write_bytes(gzip.compress(raw) if gz else raw)
@@ -69,6 +77,18 @@ def path_of(folder: Path, stem: str) -> Path:
     found = idx.find(folder, stem)
     assert found is not None
     return found
+
+
+@contextmanager
+def peak_memory():
+    """Yields a list that holds, once the block ends, the most memory Python and numpy had allocated in it."""
+    peak = []
+    tracemalloc.start()
+    try:
+        yield peak
+        peak.append(tracemalloc.get_traced_memory()[1])
+    finally:
+        tracemalloc.stop()
 
 
 def load_error(folder: Path) -> str:
@@ -136,12 +156,13 @@ def test_bad_magic(tmp_path, stem, gz):
 
 
 @pytest.mark.parametrize("stem", FILES)
-def test_truncated_file(tmp_path, stem):
-    arrays = write_mnist(tmp_path)
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_truncated_file(tmp_path, stem, gz):
+    arrays = write_mnist(tmp_path, gz=gz)
     raw = idx_bytes(arrays[stem])
-    write(tmp_path / stem, raw[:-5])
+    path = write(tmp_path / stem, raw[:-5], gz)
     message = load_error(tmp_path)
-    assert str(tmp_path / stem) in message
+    assert str(path) in message
     assert f"size {len(raw) - 5} bytes" in message and f"needs exactly {len(raw)}" in message
 
 
@@ -154,21 +175,78 @@ def test_shorter_than_header(tmp_path, stem):
 
 
 @pytest.mark.parametrize("stem", FILES)
-def test_extra_bytes(tmp_path, stem):
-    arrays = write_mnist(tmp_path, gz=True)
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_extra_bytes(tmp_path, stem, gz):
+    arrays = write_mnist(tmp_path, gz=gz)
     raw = idx_bytes(arrays[stem]) + b"\x00\x01\x02"
-    write(tmp_path / stem, raw, gz=True)
+    path = write(tmp_path / stem, raw, gz)
     message = load_error(tmp_path)
-    assert str(tmp_path / (stem + ".gz")) in message
-    assert f"size {len(raw)} bytes" in message
+    assert str(path) in message
+    assert f"size {len(raw)} bytes" in message and f"needs exactly {len(raw) - 3}" in message
 
 
-def test_header_too_big_to_fit_in_int64_is_reported_exactly(tmp_path):
-    write_mnist(tmp_path)
-    huge = 2**32 - 1
-    write(tmp_path / TRAIN_IMAGES, idx.IMAGES_MAGIC.to_bytes(4, "big") + huge.to_bytes(4, "big") * 3 + b"x")
-    message = load_error(tmp_path)
-    assert str(tmp_path / TRAIN_IMAGES) in message and f"needs exactly {16 + huge**3}" in message
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_images_not_28x28_are_refused_from_the_header_alone(tmp_path, gz):
+    write_mnist(tmp_path, gz=gz)
+    huge = 2**32 - 1  # 16 EB of pixels claimed by 17 bytes
+    path = write(tmp_path / TRAIN_IMAGES, header(idx.IMAGES_MAGIC, 10, huge, huge) + b"x", gz)
+    with peak_memory() as peak:
+        message = load_error(tmp_path)
+    assert str(path) in message and f"images are {huge}x{huge}, expected 28x28" in message
+    assert peak[0] < 1 << 20
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+@pytest.mark.parametrize("stem, count", [(TRAIN_IMAGES, 2**32 - 1), (TEST_LABELS, 2**32 - 1),
+                                         (TRAIN_IMAGES, idx.MAX_ITEMS + 1), (TRAIN_LABELS, idx.MAX_ITEMS + 1)])
+def test_a_huge_count_is_refused_from_the_header_alone(tmp_path, stem, count, gz):
+    write_mnist(tmp_path, gz=gz)
+    kind, magic, shape = (("images", idx.IMAGES_MAGIC, (count, 28, 28)) if "images" in stem
+                          else ("labels", idx.LABELS_MAGIC, (count,)))
+    path = write(tmp_path / stem, header(magic, *shape) + bytes(100), gz)
+    with peak_memory() as peak:
+        message = load_error(tmp_path)
+    assert str(path) in message
+    assert f"header claims {count} {kind}, more than the {idx.MAX_ITEMS} this reader takes" in message
+    assert peak[0] < 1 << 20  # nothing the size of the claim was allocated
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gz"])
+def test_the_largest_count_passes_the_header_and_is_then_held_to_its_size(tmp_path, gz):
+    path = write(tmp_path / TRAIN_LABELS, header(idx.LABELS_MAGIC, idx.MAX_ITEMS) + b"\x01\x02\x03", gz)
+    with pytest.raises(UsageError) as e:
+        idx.read_idx(path, idx.LABELS_MAGIC)
+    assert f"size 11 bytes, but its header ({idx.MAX_ITEMS},) needs exactly {idx.MAX_ITEMS + 8}" in str(e.value)
+
+
+def test_gz_bomb_is_refused_without_expanding_it(tmp_path):
+    arrays = write_mnist(tmp_path, gz=True)
+    valid = idx_bytes(arrays[TRAIN_IMAGES])
+    bomb, zeros = tmp_path / (TRAIN_IMAGES + ".gz"), bytes(1 << 20)
+    pack = zlib.compressobj(1, zlib.DEFLATED, 31)  # wbits 31: gzip framing; level 1: fastest to build
+    with open(bomb, "wb") as f:  # a valid file, then 200 MiB of zeros, packed as it goes: never 200 MiB here
+        f.write(pack.compress(valid))
+        for _ in range(200):
+            f.write(pack.compress(zeros))
+        f.write(pack.flush())
+    assert bomb.stat().st_size < 2 << 20
+    with peak_memory() as peak:
+        message = load_error(tmp_path)
+    assert str(bomb) in message
+    assert f"size at least {len(valid) + idx.LEFTOVER} bytes, but its header (20, 28, 28) needs exactly " \
+           f"{len(valid)}" in message
+    assert peak[0] < 8 << 20  # what the header promises plus a read chunk: not the 200 MiB it expands to
+
+
+def test_no_memory_for_the_claimed_shape_is_one_line(tmp_path, monkeypatch):
+    path = write(tmp_path / TRAIN_LABELS, idx_bytes(np.zeros(10, np.uint8)), gz=True)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(np, "empty", no_memory)
+    with pytest.raises(UsageError, match=r"header \(10,\) needs 18 bytes of memory, more than this machine gives"):
+        idx.read_idx(path, idx.LABELS_MAGIC)
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
@@ -192,7 +270,7 @@ def test_label_out_of_range(tmp_path, stem):
     assert str(tmp_path / stem) in message and "label 10" in message
 
 
-def test_images_not_28x28(tmp_path):
+def test_images_not_28x28(tmp_path):  # the whole file is valid IDX, just not MNIST
     write_mnist(tmp_path)
     write(tmp_path / TEST_IMAGES, idx_bytes(np.zeros((10, 32, 32), np.uint8)))
     message = load_error(tmp_path)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from multicard import strategies
-from multicard.devices import Devices, parse
+from multicard.devices import Devices, cpu_cores, max_cpu_processes, parse
 from multicard.dist import Job
 from multicard.errors import UsageError
 
@@ -50,6 +52,64 @@ def test_auto_without_cards_is_the_cpu_and_says_so():
 def test_cpu_needs_one_process_at_least(text):
     with pytest.raises(UsageError, match=f"--devices {text}: the number of CPU processes must be at least 1"):
         parse(text, 2)
+
+
+@pytest.mark.parametrize("cores, most", [(1, 64), (2, 64), (8, 64), (9, 72), (16, 128)])
+def test_cpu_processes_are_bounded_by_the_cores(cores, most):
+    assert max_cpu_processes(cores) == most
+    assert parse(f"cpu:{most}", 0, cores=cores).count == most  # oversubscribing stays allowed up to the bound
+    with pytest.raises(UsageError) as e:
+        parse(f"cpu:{most + 1}", 2, cores=cores)
+    assert str(e.value) == (f"--devices cpu:{most + 1}: {most + 1} CPU processes is too many for {cores} cores; "
+                            f"use at most {most}")
+
+
+def test_cpu_bound_defaults_to_the_cores_this_process_may_use():
+    most = max_cpu_processes(cpu_cores())
+    assert parse(f"cpu:{most}", 0).count == most
+    with pytest.raises(UsageError, match=f"too many for {cpu_cores()} cores; use at most {most}"):
+        parse(f"cpu:{most + 1}", 0)
+
+
+def traced_peak(call) -> int:
+    """The most memory Python allocated while `call()` ran."""
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("text, cards, words", [
+    ("cpu:100000000", 2, "100000000 CPU processes is too many for 2 cores; use at most 64"),
+    ("cpu:" + "9" * 1000, 0, "9" * 1000 + " CPU processes is too many"),
+    ("100000000", 2, "asks for 100000000 cards, this machine has 2"),
+    ("cuda:100000000", 2, "no card with id 100000000 "),
+    ("0,100000000", 4, "no card with id 100000000 "),
+    ("0," * 511 + "0", 2, "named twice"),  # 1023 characters: just inside the bound on the text
+])
+def test_huge_counts_and_ids_are_refused_before_anything_big_is_built(text, cards, words):
+    def refused():
+        with pytest.raises(UsageError) as e:
+            parse(text, cards, cores=2)
+        message = str(e.value)
+        assert message.startswith(f"--devices {text}:") and words in message and "\n" not in message
+
+    assert traced_peak(refused) < 1 << 20  # not the GBs cpu:100000000 once built
+
+
+@pytest.mark.parametrize("text", ["9" * 5000, "0," * 50000 + "0", "cpu:" + "1" * 2000, " " * 1025 + "cpu"])
+def test_a_text_too_long_to_be_a_device_list_is_refused_first(text):
+    # "9" * 5000 was a ValueError traceback (int() takes at most 4300 digits); the long id list cost 10 MB of regex
+    def refused():
+        with pytest.raises(UsageError) as e:
+            parse(text, 2)
+        message = str(e.value)
+        assert message.startswith(f"--devices {text[:20]}...: {len(text)} characters, too long (at most 1024)")
+        assert len(message) < 200 and "\n" not in message
+
+    assert traced_peak(refused) < 64 << 10
 
 
 @pytest.mark.parametrize("text", ["0,1", "0", "1", "2", "cuda", "cuda:0", "cuda:1", "1,", "0,0", "-1"])

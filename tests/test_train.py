@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import multicard
-from conftest import tiny_images
+from conftest import shown, tiny_images
 from multicard.config import TrainConfig
 from multicard.errors import UsageError
 from multicard.models import LeNet5
@@ -85,7 +85,7 @@ def test_summary(run):
     assert isinstance(summary["peak_memory_mb"], list) and len(summary["peak_memory_mb"]) == 1
     assert summary["peak_memory_mb"][0] > 0 and summary["wall_s"] > 0 and summary["train_samples_per_s"] > 0
     assert summary["config"]["lr"] == 4e-3 and summary["model"] == "LeNet5"
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert list(shown(out)) == ["metrics.jsonl", "model.pt", "summary.json"]
 
 
 def test_saved_model_reloads_with_the_same_accuracy(run):
@@ -243,7 +243,7 @@ def test_the_library_refuses_what_the_cli_refuses(tmp_path, override):
 
 def test_a_diverging_run_is_one_clear_error_and_keeps_the_earlier_run(tmp_path):
     train_lenet(tmp_path, epochs=1)
-    earlier = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    earlier = shown(tmp_path)
     with pytest.raises(UsageError, match=r"epoch 1: the training loss is nan: training diverged; try a smaller --lr"):
         train_lenet(tmp_path, lr=1e9)
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.suffix != ".part"} == earlier
+    assert shown(tmp_path) == earlier

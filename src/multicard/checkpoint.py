@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -131,3 +133,29 @@ def load_into(model: nn.Module, state: Any, what: str) -> nn.Module:
                          f"({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; {first})")
     model.load_state_dict(state)
     return model
+
+
+def rank_file(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` (> 0) keeps its own part of a checkpoint: beside it, state.pt -> state.rank1.pt."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams (torch CPU and CUDA, numpy, random), in types weights_only can load."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                       has_gauss, gauss), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(state["random"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)

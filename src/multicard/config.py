@@ -123,6 +123,8 @@ class TrainConfig:
                             ("--warmup-epochs", self.warmup_epochs)):
             if not 0 <= value < math.inf:
                 raise UsageError(f"{flag} {value}: must be a number of 0 or more")
+        if not self.out:
+            raise UsageError("--out '': name a folder (it is created if missing)")
         if not 0 <= self.momentum < 1:
             raise UsageError(f"--momentum {self.momentum}: must be at least 0 and below 1")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):

@@ -23,8 +23,28 @@ class Devices:
         return len(self.ids)
 
 
-def parse(text: str, cards: int) -> Devices:
-    """Turn --devices into Devices, given how many CUDA cards are visible. Pure: no CUDA is touched."""
+# Each CPU process is a whole Python + torch (a few hundred MB, and a gloo peer of every other one); past about 8
+# per core they only queue for the cores, and cpu:100000000 would build 10^8 ids before any later check. A little
+# oversubscribing stays allowed (the tests run cpu:3 on 2 cores), and 64 at least lets a small machine try many ranks.
+CPU_PROCESSES_PER_CORE, CPU_PROCESSES_FLOOR = 8, 64
+
+# The longest --devices read: ids 0..255 fit in 914 characters. Bounding the text first bounds all the work below
+# (the id regex keeps some state per id; int() of 4300+ digits is a ValueError, not a UsageError).
+MAX_TEXT = 1024
+
+
+def max_cpu_processes(cores: int) -> int:
+    return max(CPU_PROCESSES_FLOOR, CPU_PROCESSES_PER_CORE * cores)
+
+
+def parse(text: str, cards: int, cores: int | None = None) -> Devices:
+    """Turn --devices into Devices, given how many CUDA cards are visible. Pure: no CUDA is touched.
+
+    `cores` (default: those this process may use) bounds cpu:N. Every bound is checked before any ids are built.
+    """
+    if len(text) > MAX_TEXT:
+        raise UsageError(f"--devices {text[:20]}...: {len(text)} characters, too long (at most {MAX_TEXT}); "
+                         f"use auto, cpu, cpu:N, a count N, ids 0,1 or cuda:1")
     t = text.strip().lower().replace(" ", "")
     if t == "auto":
         if cards == 0:
@@ -36,6 +56,10 @@ def parse(text: str, cards: int) -> Devices:
         n = int(m.group(1))
         if n < 1:
             raise UsageError(f"--devices {text}: the number of CPU processes must be at least 1")
+        cores = cpu_cores() if cores is None else cores
+        if n > max_cpu_processes(cores):
+            raise UsageError(f"--devices {text}: {n} CPU processes is too many for {cores} cores; "
+                             f"use at most {max_cpu_processes(cores)}")
         return Devices("cpu", tuple(range(n)))
     if t == "cuda":
         _need_cards(text, cards)

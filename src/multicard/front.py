@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import copy
 import os
+import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from .strategies import Strategy
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
 OPS = ("sum", "mean", "max", "min")
+OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
 class Multicard:
@@ -68,6 +70,7 @@ class Multicard:
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self._skipped: torch.Tensor | None = None
+        self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -307,18 +310,57 @@ class Multicard:
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def save(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Write {name: model, optimizer, scheduler, or any value} to `path`: models unwrapped (no `module.`),
-        rank 0 writing atomically, the others returning at once. Call it on every rank; a save under
-        `if mc.is_main:` works too (it waits for nobody)."""
+        """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
+        resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
+        this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
+        random). Rank 0 writes `path`, each other rank its random streams beside it (state.rank1.pt, a few
+        KB), each file atomically. Call it on every rank after an optimizer step; no rank waits for another,
+        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load)."""
+        self._start()
+        self._saves += 1
+        own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
         if self.is_main:
-            checkpoint.save_state(path, state)
+            if self.scaler is not None:
+                own.update(scaler=self.scaler.state_dict(), skipped=self.skipped_steps)
+            checkpoint.save_state(path, {**state, OWN: own})
+        else:
+            checkpoint.write_atomic({**own, "rank": self.rank}, checkpoint.rank_file(path, self.rank))
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Load what save wrote into the objects of `state` (models, optimizers, ...), in every process; plain
-        values in `state` are replaced. Returns the file's entries that were not restored into an object (e.g.
-        {"epoch": 3}); without `state`, everything. Read with weights_only=True."""
+        """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
+        process, and restore the random streams and the gradient scaler; plain values in `state` are
+        replaced. Returns the file's entries that were not restored into an object (e.g. {"epoch": 3});
+        without `state`, everything. Read with weights_only=True. On another number of processes the data
+        order goes on where it stopped (same global batch), and the random streams start afresh."""
         self._start()
-        return checkpoint.load_state(path, state) if state is not None else checkpoint.read(path)
+        raw = checkpoint.load_state(path, state) if state is not None else checkpoint.read(path)
+        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
+        if own is not None:
+            self._restore(Path(path), own)
+        return raw
+
+    def _restore(self, path: Path, own: dict[str, Any]) -> None:
+        """The scaler, this object's save count, and this rank's random streams where they were saved."""
+        self._saves = own["save"]
+        if self.scaler is not None and "scaler" in own:
+            self.scaler.load_state_dict(own["scaler"])
+            self._skipped.fill_(own["skipped"])
+        if own["world"] != self.world_size:
+            if self.is_main:
+                print(f"multicard: {path} was written by {own['world']} processes, this job has "
+                      f"{self.world_size}: the data order goes on, random streams (augmentation, dropout) start "
+                      f"afresh", file=sys.stderr, flush=True)
+            return
+        if self.rank == 0:
+            checkpoint.set_rng_state(own["rng"])
+            return
+        mine = checkpoint.rank_file(path, self.rank)
+        part = checkpoint.read(mine) if mine.is_file() else None
+        if part is None or part.get("save") != own["save"]:
+            print(f"multicard: rank {self.rank}: {mine} is missing or from another save: this rank's random "
+                  f"streams start afresh", file=sys.stderr, flush=True)
+            return
+        checkpoint.set_rng_state(part["rng"])
 
     # -- memory ----------------------------------------------------------------------------------------------
     def peak_memory_mb(self) -> list[float]:

@@ -10,11 +10,14 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from . import resume as resume_module
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
@@ -44,24 +47,50 @@ def evaluate(mc: Multicard, model: nn.Module, stats: Callable, loader) -> dict[s
 
 def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, criterion: Callable,
         stats: Callable, train_loader, test_loader, config: TrainConfig, per_step: bool = True,
-        on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
+        on_epoch: Callable[[list[dict]], None] | None = None, resume: Path | None = None) -> list[dict]:
     """Train the set-up `model` for config.epochs; return one record per epoch. `criterion` and `stats` (the
     loss and the metric, stacked) are set up with mc; the loaders too (the training one with config.accumulate
-    micro-batches per step). The scheduler steps after every optimizer step (`per_step`) or every epoch."""
+    micro-batches per step). The scheduler steps after every optimizer step (`per_step`) or every epoch.
+    on_epoch(history) after each epoch.
+
+    Checkpoints go to config.out/checkpoints every config.save_every epochs and config.save_every_steps optimizer
+    steps; `resume` (a checkpoint's state.pt) continues from one exactly where it was taken."""
     forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader}
+    history, first_loss, steps, carried = [], None, 0, None
+    if resume is not None:
+        saved = mc.load(resume, dict(objects))
+        history, first_loss, steps, carried = saved["history"], saved["first_loss"], saved["steps"], saved["partial"]
     bar = tqdm(total=config.epochs * len(train_loader), unit="step", dynamic_ncols=True,
                disable=config.quiet or not mc.is_main or not sys.stderr.isatty())
-    history, first_loss = [], None
-    for epoch in range(config.epochs):
+
+    def save(partial: dict | None) -> None:
+        progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
+                    "config": asdict(config)}
+        resume_module.write(mc, config.out, steps, {**objects, **progress}, config.keep_checkpoints)
+
+    for epoch in range(train_loader.epoch, config.epochs):
         model.train()
-        loss_sum, samples, lrs = torch.zeros((), dtype=torch.float64, device=mc.device), 0, []
-        clipped = torch.zeros((), dtype=torch.int64, device=mc.device)
+        # this epoch's sums so far in this process; a resumed epoch starts from the whole job's (on rank 0)
+        loss_sum, clipped = (torch.zeros((), dtype=torch.float64, device=mc.device) for _ in range(2))
+        samples, lrs, before = 0, [], 0.0
+        if carried is not None:
+            if mc.rank == 0:
+                loss_sum += carried["sums"][0]
+                samples, clipped = int(carried["sums"][1]), clipped + carried["sums"][2]
+            lrs, before, carried = carried["lrs"], carried["seconds"], None
+
         start = time.perf_counter()
         for inputs, targets in train_loader:
             ends = train_loader.step_ends
             with mc.no_backward_sync(model, enabled=not ends):  # no all-reduce until the step's last micro-batch
                 loss = criterion(forward(inputs), targets)
                 mc.backward(loss * train_loader.share)  # weighted by samples: the step's mean, not K means
+            if first_loss is None:
+                first_loss = loss.item()  # the loss before any step: where "blown up" is measured from
+            n = count(targets)
+            loss_sum.add_(loss.detach(), alpha=n)  # one op: float32 loss into the float64 sum
+            samples += n
             if ends:
                 if config.clip_grad_norm:
                     clipped += mc.clip_gradients(model, optimizer, config.clip_grad_norm) > config.clip_grad_norm
@@ -70,15 +99,13 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                 optimizer.zero_grad(set_to_none=True)
                 if per_step:
                     scheduler.step()
-            if first_loss is None:
-                first_loss = loss.item()  # the loss before any step: where "blown up" is measured from
-            n = count(targets)
-            loss_sum.add_(loss.detach(), alpha=n)  # one op: float32 loss into the float64 sum
-            samples += n
+                steps += 1
+                if config.save_every_steps and steps % config.save_every_steps == 0:
+                    seconds = before + time.perf_counter() - start
+                    save({"sums": totals(mc, loss_sum, samples, clipped), "lrs": lrs, "seconds": seconds})
             bar.update()
-        totals = mc.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(samples), clipped.double()]))
-        loss_sum, samples, clipped_steps = totals.tolist()
-        seconds = time.perf_counter() - start  # after the reduction's .tolist(): the device work is done
+        loss_sum, samples, clipped_steps = totals(mc, loss_sum, samples, clipped)
+        seconds = before + time.perf_counter() - start  # after the reduction's .tolist(): the device work is done
         if not per_step:
             scheduler.step()
         record = {"epoch": epoch + 1, "train_loss": loss_sum / samples, "lr": sum(lrs) / max(len(lrs), 1),
@@ -90,9 +117,16 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")
         history.append(record)
         if on_epoch is not None:
-            on_epoch(record)
+            on_epoch(history)
+        if config.save_every and (epoch + 1) % config.save_every == 0:
+            save(None)
     bar.close()
     return history
+
+
+def totals(mc: Multicard, loss_sum: torch.Tensor, samples: int, clipped: torch.Tensor) -> list[float]:
+    """An epoch's sums so far over every process: loss x samples, samples, clipped steps."""
+    return mc.all_reduce(torch.stack([loss_sum, loss_sum.new_tensor(samples), clipped])).tolist()
 
 
 def diverged(record: dict, first_loss: float, config: TrainConfig) -> None:

@@ -1,10 +1,14 @@
 """What rank 0 of a training run writes into --out and prints: a line per epoch, then the model, the metrics and
-the summary."""
+the summary; and --out itself, which one run at a time holds and whose files change together or not at all."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
+import shutil
+import time
 from pathlib import Path
 
 from torch import nn
@@ -12,40 +16,132 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .config import TrainConfig
+from .errors import UsageError
 
 
 def say(line: str) -> None:
     tqdm.write(f"multicard: {line}")
 
 
+FILES = ("model.pt", "metrics.jsonl", "summary.json")  # what --out shows of the run that ended well last
+CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
+
+
+class Output:
+    """--out as one run holds it. A lock: a second run into the same folder is refused at once (released by the
+    system however this process ends). Each run writes into a fresh folder of its own, .run-<time>-<pid>; when
+    it has ended well, one name (.current) is switched to that folder, and model.pt, metrics.jsonl and
+    summary.json are links through it: they change together, and a run that fails or is stopped changes
+    nothing. Leftovers of a killed run (its folder, half-written checkpoints) go at the next run's start."""
+
+    def __init__(self, out: str):
+        if not out:
+            raise UsageError("--out '': name a folder (it is created if missing)")
+        self.path = path = Path(out)
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out}: this user cannot write into that folder")
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise UsageError(f"--out {out}: another run is writing there; wait for it to end, or choose another "
+                             f"--out") from None
+        self.clean()
+
+    def runs(self) -> list[Path]:
+        return [p for p in self.path.glob(".run-*") if p.is_dir()]
+
+    def clean(self) -> None:
+        """Remove what killed runs left: run folders never switched to, half-written files and checkpoints."""
+        current = (self.path / CURRENT).resolve()
+        for leftover in [*self.runs(), *self.path.glob("*.part"), *self.path.glob("checkpoints/*.part")]:
+            if leftover.resolve() != current:
+                remove(leftover)
+
+    def new_run(self) -> Path:
+        run = self.path / f".run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        run.mkdir()
+        return run
+
+    def discard(self, run: Path) -> None:
+        remove(run)
+
+    def publish(self, run: Path) -> None:
+        """Make `run` the one --out shows: switch .current to it (one rename), then drop the older runs."""
+        link(self.path / CURRENT, run.name)
+        for name in FILES:  # the same links every time (made once, or over an older version's plain files)
+            link(self.path / name, f"{CURRENT}/{name}")
+        for old in self.runs():
+            if old.name != run.name:
+                remove(old)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with it
+            self.fd = None
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def link(path: Path, target: str) -> None:
+    """Point `path` at `target` in one step: a new link beside it, renamed over it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def strict(obj):
+    """Summary values as strict JSON: a number that is not finite (an empty evaluation's nan) becomes null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
 class Report:
-    """What rank 0 writes into --out: a line per epoch, then the model, the metrics and the summary.
+    """What rank 0 writes into this run's folder: a line per epoch (metrics.jsonl, appended as the run goes),
+    then the model and the summary. Output.publish shows them in --out once the whole run has ended well."""
 
-    The epochs go to metrics.jsonl.part while the run lasts; it becomes metrics.jsonl only when the run ends
-    well. A run that fails or is stopped leaves an earlier run's three files in --out as they were."""
+    def __init__(self, run: Path | None, config: TrainConfig):
+        self.run, self.config, self.active = run, config, run is not None
 
-    def __init__(self, out: Path, config: TrainConfig, active: bool):
-        self.out, self.config, self.active = out, config, active
-        self.part = out / "metrics.jsonl.part"
-        if active:  # train() made the folder (prepare_out) before any process started
-            self.part.write_text("")
-
-    def epoch(self, record: dict) -> None:
+    def epoch(self, history: list[dict]) -> None:
+        """The epochs so far (a resumed run's include those before it), the last one new: metrics.jsonl
+        rewritten (a few KB, in this run's own folder), and a line for the new one."""
         if not self.active:
             return
-        with open(self.part, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        (self.run / "metrics.jsonl").write_text("".join(json.dumps(strict(r)) + "\n" for r in history))
+        record = history[-1]
         if not self.config.quiet:
             acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
             say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
                 f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s")
 
     def finish(self, summary: dict, model: nn.Module) -> None:
-        checkpoint.save(model, self.out / "model.pt")
-        os.replace(self.part, self.out / "metrics.jsonl")
-        tmp = self.out / "summary.json.part"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.out / "summary.json")
+        checkpoint.save(model, self.run / "model.pt")
+        (self.run / "summary.json").write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
         acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
             if "test_accuracy" in summary else ""
         memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
@@ -53,5 +149,3 @@ class Report:
         say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
             f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]"
             + (f"; in use per card (NVML): [{used}]" if used else ""))
-        if not self.config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
-            say(f"wrote {self.out / 'metrics.jsonl'}, {self.out / 'summary.json'}, {self.out / 'model.pt'}")

@@ -5,6 +5,7 @@ criterion and the loaders with it, runs the loop, and has rank 0 write metrics.j
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -21,9 +22,11 @@ from . import checkpoint
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
+from .launcher import RankFailed
 from .loop import accuracy, fit
 from .recipe import make_optimizer, make_scheduler
-from .report import Report, say
+from .report import FILES, Output, Report, say
+from .resume import describe, resolve
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -46,43 +49,69 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
             overrides[name] = value
     optimizer, scheduler = (None if isinstance(v, str) else v for v in (optimizer, scheduler))
     config = replace(config or TrainConfig(), **overrides)
+    if isinstance(config.out, os.PathLike):
+        config = replace(config, out=os.fspath(config.out))
     config.validate()
     if step_scheduler_every not in ("epoch", "step"):
         raise UsageError(f"step_scheduler_every={step_scheduler_every!r}: choose 'epoch' or 'step'")
+    for name, data in (("training", train_data), ("test", test_data)):
+        if data is not None and len(data) == 0:
+            raise UsageError(f"the {name} set is empty: nothing to {'train on' if name == 'training' else 'test'}")
     mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    timeout=config.timeout)
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
-    # only rank 0 writes; last, once every other input is known good: a refused run makes nothing
-    if mc.job.rank == 0:
-        prepare_out(config.out)
     recipe = (optimizer, scheduler, step_scheduler_every)
-    summary = mc.launch(worker, model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric, config,
-                        recipe)
+    args = (model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric)
+    # rank 0 holds --out (a lock) for the whole run, restarts included; the other ranks of a launched job write
+    # only their parts of checkpoints
+    with Output(config.out) if mc.job.rank == 0 else contextlib.nullcontext() as output:
+        summary = attempts(mc, output, args, config, recipe)
     if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
         checkpoint.load(model, Path(config.out) / "model.pt")  # up trained too, as with one process
     return summary
 
 
-def prepare_out(out: str) -> None:
-    """Make the --out folder now, before any process starts: one that cannot be made or written is one line
-    here, not a traceback from rank 0 after the data has loaded."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: this user cannot write into that folder")
+def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainConfig, recipe: tuple) -> dict:
+    """Run the job; where a process dies and restarts are left, stop all and start again from the newest
+    checkpoint. Rank 0 shows the run's files in --out only once it has ended well."""
+    restarts, resume, talk = 0, config.resume, output is not None and not config.quiet
+    while True:
+        path = resolve(resume, config.out)
+        if path is not None and output is not None:
+            say(f"resuming from {path} ({describe(path, config.batch_size)})")
+        elif resume == "auto" and talk:
+            say(f"no checkpoint in {Path(config.out) / 'checkpoints'}: starting from the beginning")
+        run = output.new_run() if output is not None else None
+        try:
+            summary = mc.launch(worker, *args, config, recipe, run, path, restarts)
+        except RankFailed as e:
+            output.discard(run)
+            if restarts >= config.max_restarts:
+                spent = f" (after {restarts} restart{'s' * (restarts != 1)})" if restarts else ""
+                raise RankFailed(e.rank, e.trace.rstrip() + f"\nmulticard: rank {e.rank} failed{spent}") from None
+            restarts, resume = restarts + 1, "auto"
+            say(f"rank {e.rank} failed; restart {restarts} of {config.max_restarts}, from the newest checkpoint")
+            output.clean()  # what the failed attempt left half-written
+            continue
+        except BaseException:
+            if output is not None:
+                output.discard(run)
+            raise
+        if output is not None:
+            output.publish(run)
+            if not config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
+                say(f"wrote {', '.join(str(output.path / name) for name in FILES)}")
+        return summary
 
 
 def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Dataset | None, criterion: Callable,
-           metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch")) -> dict:
+           metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch"), run: Path | None = None,
+           resume: Path | None = None, restarts: int = 0) -> dict:
     """The body of every training process: the recipe (the seeds' Adam and StepLR by default) on the user's
-    model and data."""
+    model and data. Rank 0 writes the run's files into `run`, its folder; `resume` names a checkpoint to go on
+    from."""
     begin = time.perf_counter()
     given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: augmentation and dropout differ
@@ -101,7 +130,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
         device_data=config.device_data)
     steps_per_epoch = -(-len(train_loader) // config.accumulate)
     scheduler = make_scheduler(optimizer, config, steps_per_epoch, given_scheduler)
-    report = Report(Path(config.out), config, mc.is_main)
+    report = Report(run if mc.is_main else None, config)
     if mc.is_main:
         note = f" ({mc.device_note})" if mc.device_note else ""
         micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
@@ -110,8 +139,9 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
             f"({train_loader.local_batch_size} per process{' per micro-batch' if micro else ''}){note}")
     per_step = given_scheduler is None or every == "step"
     history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
-                  report.epoch)
+                  report.epoch, resume)
     summary = summarize(mc, model, history, config, train_loader.local_batch_size, time.perf_counter() - begin)
+    summary.update(restarts=restarts, resumed_from=str(resume) if resume else None)
     if mc.is_main:
         report.finish(summary, model)
     mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo

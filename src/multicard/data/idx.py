@@ -1,6 +1,7 @@
 """MNIST and Fashion-MNIST from their four IDX files: found in --data-dir, or downloaded (opt-in, checksummed).
 
-Everything read is checked: magic number, exact file size, image and label counts agree, labels in 0-9.
+Everything read is checked: magic number, 28x28 images, at most MAX_ITEMS, exact file size, image and label counts
+agree, labels in 0-9. The header is checked before the data is read, and no more data than it promises is read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import urllib.request
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -46,27 +48,67 @@ def cache_dir(name: str) -> Path:
     return Path(root) / "multicard" / name
 
 
+# Most images (and labels) one file may claim: ~67x MNIST's 60000, 3.1 GB of pixels (12.5 GB once normalized to
+# float32). The header is checked against it before anything is read, so a few bytes cannot claim terabytes.
+MAX_ITEMS = 4_000_000
+CHUNK = 1 << 20  # read 1 MiB at a time, so a .gz never holds much more than the array it fills
+LEFTOVER = 1 << 16  # bytes past the promised end counted before giving up: a .gz can expand to GBs more
+
+
 def read_idx(path: Path, magic: int) -> np.ndarray:
-    """Read one IDX file (gzipped or not) and check its magic number and exact size."""
+    """Read one IDX file (gzipped or not): check its header alone first, then read exactly the bytes it promises,
+    so no file costs more memory than a valid one of its claimed shape (a .gz bomb is refused, not expanded)."""
     try:
-        with open(path, "rb") as f:
-            gzipped = f.read(2) == b"\x1f\x8b"
-        raw = gzip.open(path).read() if gzipped else path.read_bytes()
+        with open(path, "rb") as plain:
+            gzipped = plain.read(2) == b"\x1f\x8b"
+            plain.seek(0)
+            f = gzip.GzipFile(fileobj=plain) if gzipped else plain
+            shape = read_header(f, path, magic)
+            if not gzipped and (size := os.fstat(plain.fileno()).st_size) != idx_size(shape):
+                raise wrong_size(path, shape, size)  # a plain file's size is known without reading it
+            try:
+                array = np.empty(shape, np.uint8)
+            except MemoryError:
+                raise UsageError(f"{path}: its header {shape} needs {idx_size(shape)} bytes of memory, "
+                                 f"more than this machine gives") from None
+            flat, got = memoryview(array.reshape(-1)), 0
+            while got < len(flat) and (n := f.readinto(flat[got: got + CHUNK])):
+                got += n
+            if got < len(flat):
+                raise wrong_size(path, shape, idx_size(shape) - len(flat) + got)
+            extra = len(f.read(LEFTOVER))  # reading to the end also checks a .gz's CRC
+            if extra:
+                raise wrong_size(path, shape, idx_size(shape) + extra, at_least=extra == LEFTOVER)
     except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise UsageError(f"{path}: cannot read: {e}") from None
-    dims = 3 if magic == IMAGES_MAGIC else 1
-    head = 4 + 4 * dims
-    if len(raw) < head:
-        raise UsageError(f"{path}: truncated: {len(raw)} bytes, shorter than the IDX header")
-    found = int.from_bytes(raw[:4], "big")
+    return array
+
+
+def read_header(f: BinaryIO, path: Path, magic: int) -> tuple[int, ...]:
+    """The shape an IDX header claims, refused unless it is 28x28 images (or labels), at most MAX_ITEMS of them."""
+    kind, dims = ("images", 3) if magic == IMAGES_MAGIC else ("labels", 1)
+    header = f.read(4 + 4 * dims)
+    if len(header) < 4 + 4 * dims:
+        raise UsageError(f"{path}: truncated: {len(header)} bytes, shorter than the IDX header")
+    found = int.from_bytes(header[:4], "big")
     if found != magic:
-        raise UsageError(f"{path}: bad magic number {found}, expected {magic} "
-                         f"({'images' if magic == IMAGES_MAGIC else 'labels'} IDX file)")
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
-    want = head + math.prod(shape)
-    if len(raw) != want:
-        raise UsageError(f"{path}: size {len(raw)} bytes, but its header {shape} needs exactly {want}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(shape)
+        raise UsageError(f"{path}: bad magic number {found}, expected {magic} ({kind} IDX file)")
+    shape = tuple(int.from_bytes(header[4 + 4 * i: 8 + 4 * i], "big") for i in range(dims))
+    if dims == 3 and shape[1:] != (28, 28):
+        raise UsageError(f"{path}: images are {shape[1]}x{shape[2]}, expected 28x28")
+    if shape[0] > MAX_ITEMS:
+        raise UsageError(f"{path}: header claims {shape[0]} {kind}, more than the {MAX_ITEMS} this reader takes "
+                         f"(MNIST has 60000)")
+    return shape
+
+
+def idx_size(shape: tuple[int, ...]) -> int:
+    return 4 + 4 * len(shape) + math.prod(shape)
+
+
+def wrong_size(path: Path, shape: tuple[int, ...], size: int, at_least: bool = False) -> UsageError:
+    return UsageError(f"{path}: size {'at least ' if at_least else ''}{size} bytes, but its header {shape} "
+                      f"needs exactly {idx_size(shape)}")
 
 
 def find(folder: Path, stem: str) -> Path | None:
@@ -81,13 +123,12 @@ def load_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     image_path, label_path = find(folder, image_stem), find(folder, label_stem)
     images = read_idx(image_path, IMAGES_MAGIC)
     labels = read_idx(label_path, LABELS_MAGIC)
-    if images.shape[1:] != (28, 28):
-        raise UsageError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
     if len(images) != len(labels):
         raise UsageError(f"{label_path}: {len(labels)} labels for {len(images)} images in {image_path}")
     if len(labels) and labels.max() > 9:
         raise UsageError(f"{label_path}: label {labels.max()} out of range 0-9")
-    return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+    # read_idx gives a fresh writable array, so torch can share it rather than copy
+    return torch.from_numpy(images).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
 
 
 def missing(folder: Path) -> list[str]:

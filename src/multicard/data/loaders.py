@@ -61,6 +61,7 @@ class GlobalOrder(Sampler[int]):
                  drop_last: bool = False, step: int = 1):
         self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
         self.drop_last, self.step, self.epoch = drop_last, step, 0
+        self.start = 0  # positions of the order served already (a resumed epoch): skipped, never loaded
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -76,14 +77,14 @@ class GlobalOrder(Sampler[int]):
         elif self.size % self.world:
             total = -(-self.size // self.world) * self.world
             indices = indices.repeat(-(-total // self.size))[:total]
-        return indices[self.rank::self.world]
+        return indices[self.rank::self.world][self.start // self.world:]
 
     def __iter__(self):
         return iter(self.order().tolist())
 
     def __len__(self) -> int:
         total = self.size // self.step * self.step if self.drop_last else -(-self.size // self.world) * self.world
-        return total // self.world
+        return max(0, total - self.start) // self.world
 
 
 class InMemory:
@@ -112,11 +113,17 @@ class Sharded:
     remember). Other attributes (dataset, batch_size, ...) are the user's loader's.
 
     With `accumulate` K, its batches are micro-batches, K to an optimizer step: after each one is served,
-    `step_ends` says whether it ends its step, and `share` is its part of that step's samples."""
+    `step_ends` says whether it ends its step, and `share` is its part of that step's samples.
+
+    Its state_dict() is its place in the data (the epoch, and the samples of that epoch's global order served
+    so far), so a checkpoint taken after any optimizer step resumes with the next batch, on any number of
+    processes that split the same global batch."""
 
     def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
         self.step_ends, self.share = True, 1.0
+        self.skip = 0  # samples of the next pass's order to leave out (set by load_state_dict)
+        self.place: tuple[int, int] | None = None  # (epoch, samples served) while a pass is under way
 
     @property
     def sampler(self) -> Sampler:
@@ -131,7 +138,30 @@ class Sharded:
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next pass takes (for resuming); passes count on from it."""
-        self.epoch = epoch
+        self.epoch, self.skip = epoch, 0
+
+    @property
+    def global_micro_batch(self) -> int:
+        """Samples of the global order that one batch of every process takes together."""
+        return (self.local_batch_size or 1) * getattr(self.sampler, "world", getattr(self.sampler, "num_replicas", 1))
+
+    def state_dict(self) -> dict:
+        epoch, served = self.place if self.place is not None else (self.epoch, 0)
+        state = {"epoch": epoch, "samples": served}
+        generator = getattr(self.inner, "generator", None)
+        if generator is not None:  # it seeds the loader's workers on each pass
+            state["generator"] = generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if samples % self.global_micro_batch:
+            raise UsageError(f"the checkpoint stopped {samples} samples into epoch {epoch + 1}, not a whole number "
+                             f"of global batches of {self.global_micro_batch}: resume with the same --batch-size")
+        generator = getattr(self.inner, "generator", None)
+        if generator is not None and "generator" in state:
+            generator.set_state(state["generator"])
+        self.epoch, self.skip, self.place = epoch, samples, None
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -144,16 +174,26 @@ class Sharded:
         return [size] * (count - 1) + [last] if count else []
 
     def __iter__(self):
+        epoch, skip, g = self.epoch, self.skip, self.global_micro_batch
         if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        k = self.accumulate
+            self.sampler.set_epoch(epoch)
+        ordered = isinstance(self.sampler, GlobalOrder)
+        if ordered:  # the served part of a resumed epoch is left out of the order: never loaded
+            self.sampler.start = skip
+        self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
+        k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
         sizes = self.micro_batch_sizes() if k > 1 else []
         for i, batch in enumerate(self.inner):
+            if i < drop:
+                continue
             if k > 1:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
+            self.place = (epoch, skip + (i + 1 - drop) * g)
             yield to_device(batch, self.device)
+        if ordered:
+            self.sampler.start = 0
+        self.place = None
 
     def __getattr__(self, name: str) -> Any:
         if name == "original":  # not set yet (unpickling): no loop through __getattr__

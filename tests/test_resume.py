@@ -1,0 +1,317 @@
+"""Never lose a run: checkpoints, exact resume (one process, ddp, another number of processes), restarts after a
+dead process, checkpoints that survive a kill, and an --out that one run holds and changes all at once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import multicard
+from conftest import ROOT, shown, tiny_images
+from multicard import resume
+from multicard.errors import UsageError
+from multicard.launcher import RankFailed
+from multicard.models import LeNet5
+from multicard.report import Output, strict
+
+LIGHT = dict(quiet=True, lr=3e-3, batch_size=24, epochs=3)  # 96 samples: 4 steps per epoch, 12 in all
+
+
+def lenet_run(out: Path, **overrides) -> dict:
+    torch.manual_seed(0)
+    return multicard.train(LeNet5(), tiny_images(96), tiny_images(30, 1), out=str(out), **{**LIGHT, **overrides})
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def identical(a: Path, b: Path) -> bool:
+    return (a / "model.pt").read_bytes() == (b / "model.pt").read_bytes() or \
+        all(torch.equal(x, y) for x, y in zip(weights(a).values(), weights(b).values(), strict=True))
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """An unstopped run on one process (with augmentation: random streams matter) that checkpoints often."""
+    out = tmp_path_factory.mktemp("single")
+    lenet_run(out, strategy="single", devices="cpu", save_every_steps=3, save_every=1, keep_checkpoints=0)
+    return out
+
+
+def test_checkpoints_are_whole_folders_named_by_step(single):
+    names = [p.name for p in resume.whole(single)]
+    assert names == [f"step-{s:08d}" for s in (3, 4, 6, 8, 9, 12)]  # every 3 steps, and every epoch (4 steps)
+    state = torch.load(single / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "loader", "history", "steps", "multicard"} <= state.keys()
+    assert state["loader"] == {"epoch": 1, "samples": 48} and state["steps"] == 6
+    assert not any(k.startswith("module.") for k in state["model"])
+
+
+@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+def test_a_resumed_single_run_ends_bit_identical(single, tmp_path, step):
+    lenet_run(tmp_path, strategy="single", devices="cpu", resume=str(single / "checkpoints" / f"step-{step:08d}"))
+    assert identical(single, tmp_path)
+    assert [r["train_loss"] for r in records(tmp_path)] == pytest.approx([r["train_loss"] for r in records(single)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"step-{step:08d}/state.pt") and summary["restarts"] == 0
+
+
+def test_keep_checkpoints_keeps_the_newest(tmp_path):
+    lenet_run(tmp_path, strategy="single", devices="cpu", epochs=2, save_every_steps=1)
+    assert [p.name for p in resume.whole(tmp_path)] == ["step-00000007", "step-00000008"]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """An unstopped ddp cpu:2 run, augmented (rank 1's random streams matter too)."""
+    out = tmp_path_factory.mktemp("ddp")
+    lenet_run(out, strategy="ddp", devices="cpu:2", save_every_steps=3, save_every=1, keep_checkpoints=0)
+    return out
+
+
+@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+def test_a_resumed_ddp_run_ends_bit_identical(ddp, tmp_path, step):
+    assert (ddp / "checkpoints" / f"step-{step:08d}" / "state.rank1.pt").is_file()
+    lenet_run(tmp_path, strategy="ddp", devices="cpu:2", resume=str(ddp / "checkpoints" / f"step-{step:08d}"))
+    assert identical(ddp, tmp_path)
+
+
+@pytest.mark.slow
+def test_resuming_on_three_processes_continues_the_same_data_order(tmp_path):
+    plain = dict(augment=False, batch_size=48, epochs=2)  # 48 splits over 2 and 3; 96 samples: no padding
+    lenet_run(tmp_path / "two", strategy="ddp", devices="cpu:2", save_every_steps=1, **plain)
+    lenet_run(tmp_path / "three", strategy="ddp", devices="cpu:3", resume=str(tmp_path / "two" / "checkpoints"
+                                                                                / "step-00000003"), **plain)
+    a, b = weights(tmp_path / "two"), weights(tmp_path / "three")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+class DiesOnce(LeNet5):
+    """Rank 1 kills itself (SIGKILL: no traceback, no cleanup) at its 7th training batch, on the first attempt."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker, self.batches = marker, 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("RANK") == "1":
+            self.batches += 1
+            if self.batches == 7 and not os.path.exists(self.marker):
+                Path(self.marker).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def test_a_dead_process_is_restarted_from_the_newest_checkpoint(ddp, tmp_path, capsys):
+    torch.manual_seed(0)
+    summary = multicard.train(DiesOnce(str(tmp_path / "died")), tiny_images(96), tiny_images(30, 1),
+                              out=str(tmp_path / "run"), strategy="ddp", devices="cpu:2", save_every_steps=3,
+                              max_restarts=1, **{**LIGHT, "quiet": False})
+    assert (tmp_path / "died").exists() and summary["restarts"] == 1
+    assert summary["resumed_from"].endswith(("step-00000006/state.pt", "step-00000003/state.pt"))
+    assert identical(ddp, tmp_path / "run")
+    assert "rank 1 failed; restart 1 of 1" in capsys.readouterr().out
+
+
+def test_once_the_restarts_are_spent_the_run_fails_naming_the_rank(tmp_path):
+    earlier = tmp_path / "run"
+    lenet_run(earlier, strategy="single", devices="cpu", epochs=1)
+    before = shown(earlier)
+    torch.manual_seed(0)
+    with pytest.raises(RankFailed) as failure:
+        multicard.train(DiesOnce(str(tmp_path / "died")), tiny_images(96), None, out=str(earlier),
+                        strategy="ddp", devices="cpu:2", **LIGHT)
+    assert failure.value.rank == 1 and "multicard: rank 1 failed" in failure.value.trace
+    assert shown(earlier) == before  # the failed run replaced nothing
+    assert [p.name for p in earlier.glob(".run-*")] == [os.readlink(earlier / ".current")]
+
+
+def test_resume_auto_without_a_checkpoint_starts_from_the_beginning(tmp_path, capsys):
+    lenet_run(tmp_path / "a", strategy="single", devices="cpu", epochs=1)
+    lenet_run(tmp_path / "b", strategy="single", devices="cpu", epochs=1, resume="auto", quiet=False)
+    assert identical(tmp_path / "a", tmp_path / "b")
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_resume_refuses_what_cannot_continue(single, tmp_path):
+    step = str(single / "checkpoints" / "step-00000006")
+    with pytest.raises(UsageError, match=r"global batch was 24, this one's is 48: resume with --batch-size 24"):
+        lenet_run(tmp_path, strategy="single", devices="cpu", resume=step, batch_size=48)
+    with pytest.raises(UsageError, match=r"--resume .*nowhere: no checkpoint there"):
+        lenet_run(tmp_path, strategy="single", devices="cpu", resume=str(tmp_path / "nowhere"))
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match=r"not a readable checkpoint"):
+        lenet_run(tmp_path, strategy="single", devices="cpu", resume=str(tmp_path / "junk.pt"))
+    assert shown(tmp_path) == {"junk.pt": b"not a checkpoint"}
+
+
+def test_resume_takes_the_newest_of_an_out_or_its_checkpoints_folder(single):
+    newest = single / "checkpoints" / "step-00000012" / "state.pt"
+    assert resume.resolve("auto", single) == newest
+    assert resume.resolve(str(single), "elsewhere") == newest
+    assert resume.resolve(str(single / "checkpoints"), "elsewhere") == newest
+
+
+KILLER = """
+import sys, torch, multicard
+from multicard.models import LeNet5
+sys.path.insert(0, {tests!r})
+from conftest import tiny_images
+torch.manual_seed(0)
+multicard.train(LeNet5(), tiny_images(96), None, out={out!r}, strategy="single", devices="cpu", quiet=True,
+                batch_size=8, epochs=1000, save_every_steps=1, keep_checkpoints=2)
+"""
+
+
+def test_a_kill_at_any_instant_leaves_a_checkpoint_to_resume_from(tmp_path):
+    """SIGKILL while checkpoints are written every step (most instants fall inside a write): the newest whole
+    checkpoint always loads, and the next run clears what the kill left half-written."""
+    out = tmp_path / "run"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLER.format(tests=str(Path(__file__).parent), out=str(out)))
+    for delay in (0.2, 0.45, 0.7):
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while not resume.whole(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        found = resume.resolve("auto", out)
+        state = torch.load(found, weights_only=True)
+        LeNet5().load_state_dict(state["model"])
+        assert state["steps"] == int(found.parent.name.split("-")[1])
+    with Output(str(out)):  # the next run's start
+        pass
+    assert not list(out.glob("checkpoints/*.part")) and not list(out.glob(".run-*"))
+
+
+# -- --out -------------------------------------------------------------------------------------------------------
+def test_a_second_run_into_an_out_in_use_is_refused_at_once(tmp_path):
+    with Output(str(tmp_path)):
+        start = time.monotonic()
+        with pytest.raises(UsageError, match=r"--out .*: another run is writing there"):
+            lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
+        assert time.monotonic() - start < 5
+    lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)  # released: the next run goes ahead
+    assert list(shown(tmp_path)) == ["metrics.jsonl", "model.pt", "summary.json"]
+
+
+def test_a_run_that_fails_at_its_last_write_replaces_nothing(tmp_path, monkeypatch):
+    lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
+    before = shown(tmp_path)
+
+    real = Path.write_text
+
+    def full_disk(self, *args, **kwargs):  # the disk fills up at the last file: after model.pt and the metrics
+        if self.name == "summary.json":
+            raise OSError(28, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        lenet_run(tmp_path, strategy="single", devices="cpu", epochs=2)
+    monkeypatch.undo()
+    assert shown(tmp_path) == before
+    assert len(list(tmp_path.glob(".run-*"))) == 1  # the failed run's folder went with it
+
+
+def test_out_files_change_together_and_leftovers_are_cleared(tmp_path):
+    (tmp_path / "model.pt").write_bytes(b"an older version's plain file")
+    (tmp_path / ".run-20200101T000000-1-1").mkdir()  # a killed run's folder
+    (tmp_path / "summary.json.123.part").write_text("{")  # a killed run's half file
+    lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".run-")) == \
+        [".current", "metrics.jsonl", "model.pt", "summary.json"]
+    assert all(os.readlink(tmp_path / name) == f".current/{name}" for name in ("model.pt", "summary.json"))
+    assert len(list(tmp_path.glob(".run-*"))) == 1
+
+
+def test_out_files_get_the_users_usual_mode(tmp_path):
+    old = os.umask(0o002)
+    try:
+        lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
+    finally:
+        os.umask(old)
+    for name in ("model.pt", "metrics.jsonl", "summary.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o664, name
+
+
+def test_an_empty_out_and_a_path_object(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"--out '': name a folder"):
+        lenet_run("", strategy="single", devices="cpu", epochs=1)
+    assert list(tmp_path.iterdir()) == []
+    torch.manual_seed(0)
+    multicard.train(LeNet5(), tiny_images(96), None, out=tmp_path / "as-path", strategy="single", devices="cpu",
+                    **{**LIGHT, "epochs": 1})
+    assert json.loads((tmp_path / "as-path" / "summary.json").read_text())["epochs"] == 1
+
+
+@pytest.mark.parametrize("which", ["training", "test"])
+def test_an_empty_set_is_one_line(tmp_path, which):
+    empty = tiny_images(96)[0:0]
+    sets = (torch.utils.data.TensorDataset(*empty), tiny_images(30)) if which == "training" else \
+        (tiny_images(96), torch.utils.data.TensorDataset(*empty))
+    with pytest.raises(UsageError, match=f"the {which} set is empty"):
+        multicard.train(LeNet5(), *sets, out=str(tmp_path), strategy="single", devices="cpu", **LIGHT)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_summary_is_strict_json():
+    assert strict({"a": [float("nan"), 1.5], "b": {"c": float("inf")}}) == {"a": [None, 1.5], "b": {"c": None}}
+    json.dumps(strict({"x": math.nan}), allow_nan=False)
+
+
+# -- the front object --------------------------------------------------------------------------------------------
+def user_loop(mc: multicard.Multicard, out: Path, stop_at: int | None, resume_from: Path | None) -> list[float]:
+    """A user's own loop that checkpoints the whole training state every step with mc.save."""
+    torch.manual_seed(0)
+    model = mc.setup(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(0.2), torch.nn.Linear(784, 10)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
+    loader = mc.setup_dataloader(DataLoader(tiny_images(96, 2), 16, shuffle=True,
+                                            generator=torch.Generator().manual_seed(3)))
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0}
+    if resume_from is not None:
+        mc.load(resume_from, state)
+    losses = []
+    while loader.epoch < 3:
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            mc.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            state["step"] += 1
+            losses.append(loss.item())
+            mc.save(out, state)
+            if state["step"] == stop_at:
+                return losses
+    return losses
+
+
+def test_the_front_objects_save_and_load_resume_a_users_loop_exactly(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    whole = user_loop(multicard.Multicard("single", "cpu"), tmp_path / "whole.pt", None, None)
+    first = user_loop(multicard.Multicard("single", "cpu"), path, 8, None)
+    torch.manual_seed(123)  # whatever the random streams are now: load puts them back
+    rest = user_loop(multicard.Multicard("single", "cpu"), path, None, path)
+    assert first + rest == whole
+    a, b = torch.load(tmp_path / "whole.pt", weights_only=True), torch.load(path, weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and b["step"] == 18
