@@ -1,5 +1,7 @@
 """Who am I in a job: read from our spawn, torchrun or SLURM variables (no processes started here)."""
 
+import re
+
 from multicard.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
 
 
@@ -41,3 +43,27 @@ def test_a_rank_failure_crosses_process_boundaries_intact():
 
     again = pickle.loads(pickle.dumps(RankFailed(3, "Traceback ...\nValueError: x")))
     assert (again.rank, again.trace) == (3, "Traceback ...\nValueError: x")
+
+
+def test_impossible_job_variables_are_one_line_each():
+    import pytest
+
+    from multicard.errors import UsageError
+
+    job = {"RANK": "0", "WORLD_SIZE": "2"}
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}
+    for env, words in (({**job, "RANK": "5"}, "RANK=5 with WORLD_SIZE=2"), ({**job, "RANK": "-1"}, "RANK=-1"),
+                       ({**job, "RANK": "x"}, "RANK='x'"), ({**job, "WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+                       ({**job, "LOCAL_RANK": "one"}, "LOCAL_RANK='one'"),
+                       ({**job, "LOCAL_WORLD_SIZE": ""}, "LOCAL_WORLD_SIZE=''"),
+                       ({**job, "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2"),
+                       ({**job, "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+                       ({**job, "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
+                       ({**slurm, "SLURM_PROCID": "2"}, "SLURM_PROCID=2 with SLURM_NTASKS=2"),
+                       ({**slurm, "SLURM_NTASKS": "2x"}, "SLURM_NTASKS='2x'"),
+                       ({**slurm, "SLURM_LOCALID": "?"}, "SLURM_LOCALID='?'")):
+        with pytest.raises(UsageError, match=f"^{re.escape(words)}") as error:
+            job_from_env(env)
+        assert "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="^SLURM_JOB_ID='x'"):
+        rendezvous_env({"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "x"})

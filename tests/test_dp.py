@@ -201,7 +201,7 @@ def test_the_trainer_learns_what_one_device_learns(tmp_path):
         out = tmp_path / strategy.name
         out.mkdir()
         summary = Multicard(strategy).launch(worker, model, train, test, nn.CrossEntropyLoss(), accuracy,
-                                             replace(config, out=str(out)), run=out)
+                                             replace(config, out=str(out)), (None, None, "epoch"), out)
         assert summary["strategy"] == strategy.name
         results.append(([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
                         model.state_dict()))

@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .launcher import RankFailed
+    from .launcher import RankFailed, Stopped, said
 
     try:
         return args.run(args)
@@ -146,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"multicard: error: {e}", file=sys.stderr)
         return 2
     except RankFailed as e:
-        print(f"multicard: rank {e.rank} failed; its traceback:\n{e.trace.rstrip()}", file=sys.stderr)
+        if said(e.rank, e.trace):  # what became of it, in a sentence: there is no traceback to show
+            sentence, _, more = e.trace.rstrip().partition("\n")
+            print(f"multicard: {sentence}; every rank was stopped" + (f"\n{more}" if more else ""), file=sys.stderr)
+        else:
+            print(f"multicard: rank {e.rank} failed; its traceback:\n{e.trace.rstrip()}", file=sys.stderr)
         return 1
+    except Stopped as e:  # SIGINT, SIGTERM or SIGHUP to this launcher: every process it started was stopped
+        print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
         return 130

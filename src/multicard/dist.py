@@ -1,11 +1,27 @@
-"""Process-group facts: who am I (from our own spawn, torchrun or SLURM), and setting the group up."""
+"""Process-group facts: who am I (from our own spawn, torchrun or SLURM), meeting the others, and telling our
+launcher how far this process got."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import socket
+import struct
+import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+
+from .errors import UsageError
+
+PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
+SLOT = struct.Struct("3d")  # that file: last progress (time.monotonic()), the timeout, 1.0 once a wait timed out
+# how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
+TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
+JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
+
+_slot: memoryview | list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -23,16 +39,65 @@ class Job:
 
 def job_from_env(env=os.environ) -> Job:
     """Read the job's shape from the environment: a process started by torchrun has RANK set (nanoGPT's
-    test), one started by srun has SLURM_PROCID and a step id. No flag asks the user to say so."""
+    test), one started by srun has SLURM_PROCID and a step id. No flag asks the user to say so. A value that
+    cannot be right is one line now, not a rendezvous that waits for nobody."""
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        return Job(rank, world, int(env.get("LOCAL_RANK", rank)), int(env.get("LOCAL_WORLD_SIZE", world)),
-                   env.get("MULTICARD_LAUNCHER", "torchrun"))
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
+        rank, world = _number(env, "RANK", 0), _number(env, "WORLD_SIZE", 1)
+        local_rank, local_world = _number(env, "LOCAL_RANK", 0, rank), _number(env, "LOCAL_WORLD_SIZE", 1, world)
+        _below(env, ("RANK", rank), ("WORLD_SIZE", world))
+        if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+            _below(env, ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world))
+        _port(env)
+        return Job(rank, world, local_rank, local_world, env.get("MULTICARD_LAUNCHER", "torchrun"))
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and _number(env, "SLURM_NTASKS", 1, 1) > 1:
+        rank, world = _number(env, "SLURM_PROCID", 0), _number(env, "SLURM_NTASKS", 1)
+        _below(env, ("SLURM_PROCID", rank), ("SLURM_NTASKS", world))
+        _port(env)
         per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS", "1")))
-        return Job(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
-                   int(per_node.group()) if per_node else 1, "slurm")
+        return Job(rank, world, _number(env, "SLURM_LOCALID", 0, 0), int(per_node.group()) if per_node else 1,
+                   "slurm")
     return Job()
+
+
+def _number(env, name: str, least: int, default: int | None = None) -> int:
+    """The whole number `name` holds (`default` where it is missing): one line where it cannot be read."""
+    if name not in env and default is not None:
+        return default
+    value = env[name]
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} in the environment is not a whole number; {_origin(env)}") from None
+    if number < least:
+        raise UsageError(f"{name}={value} in the environment: must be at least {least}; {_origin(env)}")
+    return number
+
+
+def _below(env, rank: tuple[str, int], world: tuple[str, int]) -> None:
+    if rank[1] >= world[1]:
+        raise UsageError(f"{rank[0]}={rank[1]} with {world[0]}={world[1]} in the environment: ranks run from 0 to "
+                         f"{world[1] - 1}; {_origin(env)}")
+
+
+def _port(env) -> int | None:
+    """MASTER_PORT, read (None where it is not set)."""
+    if "MASTER_PORT" not in env:
+        return None
+    port = _number(env, "MASTER_PORT", 1)
+    if port > 65535:
+        raise UsageError(f"MASTER_PORT={port} in the environment: a port runs from 1 to 65535; {_origin(env)}")
+    return port
+
+
+def _origin(env) -> str:
+    """Where this process's job came from, and what to do when it is not the job the user meant."""
+    if env.get("MULTICARD_LAUNCHER") == "multicard":
+        return "the job was started by multicard"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return ("RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT came from the environment (torchrun, SLURM or your shell): "
+                "a stale environment? unset RANK and WORLD_SIZE to run alone")
+    return ("SLURM_PROCID/SLURM_NTASKS came from SLURM (srun): check that every task of the step started, or run "
+            "outside srun to run alone")
 
 
 def first_host(nodelist: str) -> str:
@@ -49,7 +114,9 @@ def rendezvous_env(env=os.environ) -> dict[str, str]:
     if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
         out["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env["SLURM_JOB_NODELIST"]))
     if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
-        out["MASTER_PORT"] = str(15000 + int(env["SLURM_JOB_ID"]) % 20000)  # the same in every task of a job
+        job_id = _number(env, "SLURM_JOB_ID", 0)
+        out["MASTER_PORT"] = str(15000 + job_id % 20000)  # the same in every task of a job
+    _port({**env, **out})
     return out
 
 
@@ -57,7 +124,8 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"  # gloo for CPU tensors, NCCL for cards
 
 
-def init(job: Job, device_type: str, timeout_s: float = 600) -> None:
+def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
+    """Join the job's process group. Collectives, and the rendezvous, wait at most `timeout_s` for the others."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
@@ -65,8 +133,135 @@ def init(job: Job, device_type: str, timeout_s: float = 600) -> None:
         dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    os.environ.update(rendezvous_env())
-    dist.init_process_group(backend_for(device_type), rank=job.rank, world_size=job.world, timeout=timeout)
+    slot = _progress_slot()
+    slot[1] = timeout_s
+    progress()
+    if os.environ.get(PROGRESS):  # a rank that dies of a timeout says so to our launcher, which names the cause
+        previous = sys.excepthook
+
+        def hook(kind, error, trace):
+            failed(error)
+            previous(kind, error, trace)
+
+        sys.excepthook = hook
+    store = rendezvous(job, timeout_s)
+    dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("default_pg", store), rank=job.rank,
+                            world_size=job.world, timeout=timeout)
+
+
+def rendezvous(job: Job, timeout_s: float):
+    """Meet every other process of the job at MASTER_ADDR:MASTER_PORT and return the store there. Each one
+    says it joined; one that does not come within the timeout is named, with where the job came from.
+    The store is held by our launcher or torchrun's agent (TORCHELASTIC_USE_AGENT_STORE), else by rank 0."""
+    from torch.distributed import DistError, PrefixStore, TCPStore
+
+    env = {**os.environ, **rendezvous_env()}
+    if not env.get("MASTER_ADDR") or not env.get("MASTER_PORT"):
+        raise UsageError(f"rank {job.rank} of {job.world}: MASTER_ADDR and MASTER_PORT must name where the job "
+                         f"meets; {_origin(env)}")
+    addr, port = env["MASTER_ADDR"], _port(env)
+    where, origin = f"rendezvous at {addr}:{port}", _origin(env)
+    deadline = time.monotonic() + timeout_s
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or job.rank != 0:
+        holder = "the launcher's store" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+        _wait_for_listener(addr, port, deadline, f"{where}: rank {job.rank} of {job.world} found no {holder} "
+                                                 f"there within {timeout_s:g} s ({origin})")
+        store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    else:
+        try:
+            store = TCPStore(addr, port, job.world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False, multi_tenant=True)
+        except DistError as e:
+            reason = "the port is taken" if "EADDRINUSE" in str(e) else str(e).splitlines()[0]
+            raise UsageError(f"{where}: rank 0 cannot hold the store there ({reason}); {origin}") from None
+    store.set_timeout(timedelta(seconds=timeout_s))  # for what the process group asks of it later, in full
+    joined = PrefixStore(f"multicard/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined/", store)
+    ranks = [str(r) for r in range(job.world)]
+    try:
+        joined.set(str(job.rank), "1")
+        while not joined.check(ranks):
+            if time.monotonic() > deadline:
+                missing = [r for r in ranks if not joined.check([r])]
+                _slot_timed_out()
+                raise UsageError(f"{where}: {job.world - len(missing)} of {job.world} processes joined within "
+                                 f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {_listed(missing)} "
+                                 f"({origin})")
+            time.sleep(JOINED)
+    except DistError as e:  # the store went away: its holder ended (it gave up, or failed)
+        raise UsageError(f"{where}: rank {job.rank} lost the store ({str(e).splitlines()[0]}); {origin}") from None
+    return store
+
+
+def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> None:
+    """Wait until something listens at addr:port (plain connects: the store's client would log a page of C++
+    errors for each try)."""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except socket.gaierror:
+            raise UsageError(f"MASTER_ADDR={addr}: no such host") from None
+        except OSError:
+            if time.monotonic() > deadline:
+                _slot_timed_out()
+                raise UsageError(failure) from None
+            time.sleep(0.2)
+
+
+def _listed(items: list[str], most: int = 8) -> str:
+    shown = items[:most] + ([f"{len(items) - most} more"] if len(items) > most else [])
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
+
+
+# -- progress, for our launcher ------------------------------------------------------------------------------
+def progress() -> None:
+    """Say that this process moved on (a batch was served). Cheap enough for every batch: one store into
+    memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
+    When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
+    (_slot if _slot is not None else _progress_slot())[0] = time.monotonic()
+
+
+def failed(error: BaseException) -> None:
+    """A rank ends with `error`: when it is a wait that ran out of time, tell the launcher."""
+    if TIMED_OUT.search(str(error)):
+        _slot_timed_out()
+
+
+def _slot_timed_out() -> None:
+    _progress_slot()[2] = 1.0
+
+
+def _progress_slot() -> memoryview | list[float]:
+    """This rank's slot in the file our launcher made (MULTICARD_PROGRESS), mapped into memory; a plain list
+    (read by nobody) in any other process."""
+    global _slot
+    if _slot is None:
+        slot: memoryview | list[float] = [0.0, 0.0, 0.0]
+        path = os.environ.get(PROGRESS)
+        if path:
+            try:
+                with open(path, "r+b") as f:
+                    slot = memoryview(mmap.mmap(f.fileno(), SLOT.size)).cast("d")
+            except (OSError, ValueError):  # no such file, or too short: nobody to tell
+                pass
+        _slot = slot
+    return _slot
+
+
+def new_slot(path: str) -> None:
+    """For the launcher: the empty progress file of one rank (all zero: no progress yet)."""
+    with open(path, "wb") as f:
+        f.write(bytes(SLOT.size))
+
+
+def read_slot(path: str) -> tuple[float, float, bool]:
+    """For the launcher: (last progress, the rank's timeout, whether it timed out); (0, 0, False) if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            last, timeout, timed_out = SLOT.unpack(f.read(SLOT.size))
+    except (OSError, struct.error):
+        return 0.0, 0.0, False
+    return last, timeout, timed_out > 0
 
 
 def teardown() -> None:

@@ -3,14 +3,20 @@
 `spawn` runs a Python function in N fresh processes (multicard.launch, multicard.train); `run_command` runs a
 command N times (`multicard run script.py`, and a script whose Multicard needs more processes than it has).
 Either way the processes meet at a store that this process holds on a port the system picked, as torchrun's
-agent does: never a fixed 29500, and no moment in which another program can take the port first. When any
-process fails, the others are stopped at once and the failing rank is named.
+agent does: never a fixed 29500, and no moment in which another program can take the port first.
+
+No process outlives its launcher, and none fails silently: when one fails, the others are stopped at once and
+a rank is named (where one timed out waiting, the rank it waited for: stopped by a signal, or the one whose
+progress is oldest); SIGINT, SIGTERM or SIGHUP to the launcher stops them all; and a launcher that dies by any
+means (SIGKILL included) takes them along, through the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,9 +24,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from . import dist
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -30,12 +38,29 @@ STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIG
 
 
 class RankFailed(Exception):
+    """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
+    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal)."""
+
     def __init__(self, rank: int, trace: str):
-        super().__init__(f"rank {rank} failed:\n{trace}")
+        super().__init__(trace if said(rank, trace) else f"rank {rank} failed:\n{trace}")
         self.rank, self.trace = rank, trace
 
     def __reduce__(self):
         return RankFailed, (self.rank, self.trace)
+
+
+def said(rank: int, trace: str) -> bool:
+    """Whether a RankFailed's trace is a sentence about the rank rather than a traceback."""
+    return trace.startswith(f"rank {rank} ")
+
+
+class Stopped(BaseException):
+    """A signal to the launcher (SIGINT, SIGTERM, SIGHUP) stopped the job. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` (a retry loop, a user's handler) takes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def free_port() -> int:
@@ -52,89 +77,238 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def job_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What a process of a job started here finds in its environment: torchrun's variables, and the store."""
-    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
-                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
+def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str]:
+    """What a process of a job started here finds in its environment: torchrun's variables, the store, and
+    (given the job's folder) the file where it shows its progress."""
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
+               TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
+    if folder:
+        env[dist.PROGRESS] = slot_path(folder, rank)
+    return env
+
+
+def slot_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"progress-{rank}")
+
+
+class Signals:
+    """While entered (in the main thread: only it may set handlers), SIGINT, SIGTERM and SIGHUP raise Stopped;
+    while `held`, the first one waits for release. A signal this process was started to ignore (SIGHUP under
+    nohup, SIGINT for a shell's `cmd &`) stays ignored: that is what the user asked for."""
+
+    def __init__(self):
+        self.previous: dict[int, Any] = {}
+        self.held, self.pending = False, 0
+
+    def __enter__(self) -> Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self.previous[s] = signal.signal(s, self._stop)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        if not self.held:
+            raise Stopped(signum)
+        self.pending = self.pending or signum
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+        if self.pending:
+            raise Stopped(self.pending)
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
-    import torch.multiprocessing as mp
+    """fn(*args) in `nprocs` fresh processes, ranks 0..nprocs-1 of one job; returns what rank 0's returned.
+    The first failure stops them all: RankFailed names the rank to blame (UsageError for a bad input only a
+    process could see). SIGINT, SIGTERM or SIGHUP here stops them all and raises Stopped: not a failure to
+    retry."""
+    import multiprocessing
 
     server = store()
-    fd, result = tempfile.mkstemp(prefix="multicard-result-")
-    os.close(fd)
-    context = mp.start_processes(_child, (fn, args, nprocs, server.port, result), nprocs, join=False,
-                                 start_method="spawn")
+    folder = tempfile.mkdtemp(prefix="multicard-job-")
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or CUDA
+    processes: list = []
+    with Signals() as signals:
+        try:
+            with signals.holding():  # every process started is known before a signal is acted on
+                for rank in range(nprocs):
+                    dist.new_slot(slot_path(folder, rank))
+                    process = context.Process(target=_child, name=f"multicard rank {rank}",
+                                              args=(rank, fn, args, nprocs, server.port, folder, os.getpid()))
+                    process.start()
+                    processes.append(process)
+            failed = _first_failure(processes)
+            if failed is None:
+                with open(os.path.join(folder, "result"), "rb") as f:
+                    return pickle.load(f)
+            raise _failure(failed, processes, folder)
+        finally:
+            signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
+            _stop(processes, grace_s)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _first_failure(processes: list) -> int | None:
+    """Wait until every process ended well (None), or one failed: its rank."""
+    from multiprocessing.connection import wait
+
+    running = {p.sentinel: rank for rank, p in enumerate(processes)}
+    while running:
+        for sentinel in wait(list(running)):
+            rank = running.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode:
+                return rank
+    return None
+
+
+def _failure(rank: int, processes: list, folder: str) -> Exception:
+    """What to raise for the failed `rank`: what it said of itself, else the rank it timed out waiting for,
+    else its bad input, its traceback, or how it ended."""
     try:
-        while not context.join(grace_period=grace_s):
-            pass
-        with open(result, "rb") as f:
-            return pickle.load(f)
-    except mp.ProcessRaisedException as e:
-        trace = e.msg.split("following error:\n", 1)[-1]
-        last = trace.strip().splitlines()[-1] if trace.strip() else ""
-        if last.startswith("multicard.errors.UsageError: "):  # a bad input that only a process could see
-            raise UsageError(last.split(": ", 1)[1]) from None
-        raise RankFailed(e.error_index, trace) from None
-    except mp.ProcessExitedException as e:
-        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
-        raise RankFailed(e.error_index, f"the process ended with {how} (see its output above)") from None
-    finally:
-        for process in context.processes:  # Ctrl-C, or anything else: leave no process behind
-            if process.is_alive():
-                process.kill()
-                process.join()
-        os.unlink(result)
+        with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
+            kind, text = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        kind, text = "", ""
+    if kind == "said":
+        return RankFailed(rank, text)
+    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder)
+    if blamed:
+        return RankFailed(*blamed)
+    if kind == "usage":
+        return UsageError(text)
+    if kind == "trace":
+        return RankFailed(rank, text)
+    return RankFailed(rank, f"rank {rank} ended with {_how(processes[rank].exitcode)} (its output is above)")
 
 
-def _child(index: int, fn: Callable, args: tuple, nprocs: int, port: int, result: str) -> None:
-    os.environ.update(job_env(index, nprocs, port))
-    out = fn(*args)
-    if index == 0:
-        with open(result, "wb") as f:
+def _how(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def blame(failed: int, others: dict[int, int], folder: str) -> tuple[int, str] | None:
+    """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
+    running), and why: one stopped by a signal (a frozen process), else the one whose progress is oldest."""
+    _, timeout, timed_out = dist.read_slot(slot_path(folder, failed))
+    if not timed_out or not others:
+        return None
+    stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
+    if stopped:
+        rank, why = stopped[0], "it was stopped by a signal"
+    else:
+        last = {r: dist.read_slot(slot_path(folder, r))[0] for r in others}
+        rank = min(last, key=lambda r: (last[r], r))
+        why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
+            "it made no progress at all"
+    return rank, (f"rank {rank} stopped making progress ({why}; rank {failed} timed out waiting for it after "
+                  f"{timeout:g} s)")
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped by a signal, t: by a debugger); '?' where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _stop(processes: list, grace_s: float) -> None:
+    """SIGTERM to every process still running (and SIGCONT: a stopped one must wake up to act on it), SIGKILL
+    to any still there after grace_s. One that ends on SIGTERM cleans up after itself: nothing it made (its
+    semaphores) is left for the resource tracker to warn about."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+            os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join()
+
+
+def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder: str, launcher: int) -> None:
+    """The body of a spawned process: fn(*args), and what became of it left in the job's folder."""
+    _die_with(launcher)  # first of all: a launcher that is gone already, or goes later, takes this process along
+    for s in (signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs, nothing is left behind
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, _raise_stopped)
+    os.environ.update(job_env(rank, nprocs, port, folder))
+    try:
+        out = fn(*args)
+    except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
+        _fail(folder, rank, "said", f"rank {rank} was interrupted (SIGINT)")
+    except Stopped as e:
+        _fail(folder, rank, "said", f"rank {rank} was stopped by {e}")
+    except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
+        _fail(folder, rank, "usage", str(e))
+    except Exception as e:
+        dist.failed(e)
+        _fail(folder, rank, "trace", traceback.format_exc())
+    if rank == 0:
+        with open(os.path.join(folder, "result"), "wb") as f:
             pickle.dump(out, f)
 
 
-class Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def _fail(folder: str, rank: int, kind: str, text: str) -> None:
+    with open(os.path.join(folder, f"error-{rank}"), "wb") as f:
+        pickle.dump((kind, text), f)
+    sys.exit(1)
 
 
 def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
     """Run `command` as ranks 0..nprocs-1 of one job; return 0 when all end well, else the first failure's
     exit code (128 + N for signal N). A signal to this process stops them all."""
     server = store()
+    folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
-
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if main else {}
-    try:
-        parent = os.getpid()
-        for rank in range(nprocs):
-            procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
-                                                        **job_env(rank, nprocs, server.port)},
-                                          preexec_fn=lambda: _die_with(parent)))
-        failed = first_failure(procs)
-        if failed is None:
-            return 0
-        rank, code = failed
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        others = "; the other ranks were stopped" if nprocs > 1 else ""
-        print(f"multicard: rank {rank} failed with {how} (its output is above){others}", file=sys.stderr)
-        return 128 - code if code < 0 else code
-    except Stopped as e:
-        print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
-        return 128 + e.signum
-    finally:
-        terminate(procs)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with Signals() as signals:
+        try:
+            parent = os.getpid()
+            with signals.holding():  # every process started is known before a signal is acted on
+                for rank in range(nprocs):
+                    dist.new_slot(slot_path(folder, rank))
+                    procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
+                                                                **job_env(rank, nprocs, server.port, folder)},
+                                                  preexec_fn=lambda: _die_with(parent)))
+            failed = first_failure(procs)
+            if failed is None:
+                return 0
+            rank, code = failed
+            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder)
+            if blamed:
+                print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)
+            else:
+                others = "; the other ranks were stopped" if nprocs > 1 else ""
+                print(f"multicard: rank {rank} failed with {_how(code)} (its output is above){others}",
+                      file=sys.stderr)
+            return 128 - code if code < 0 else code
+        except Stopped as e:
+            print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
+            return 128 + e.signum
+        finally:
+            signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
+            terminate(procs)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
@@ -162,9 +336,13 @@ def _wait_for_any_child() -> None:
 
 
 def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
+    STOP_GRACE_S."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+                os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
         try:
@@ -175,7 +353,8 @@ def terminate(procs: list[subprocess.Popen]) -> None:
 
 
 def _die_with(parent: int) -> None:
-    """In a child, before it runs: the kernel kills it when this launcher dies, whatever the cause (Linux)."""
+    """In a child, before it does anything: the kernel kills it when its launcher dies, whatever the cause
+    (Linux), and one whose launcher died already ends now."""
     try:
         import ctypes
 

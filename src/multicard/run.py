@@ -22,7 +22,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
-from .launcher import RankFailed
+from .launcher import RankFailed, said
 from .loop import accuracy, fit
 from .recipe import make_optimizer, make_scheduler
 from .report import FILES, Output, Report, say
@@ -88,9 +88,15 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
             summary = mc.launch(worker, *args, config, recipe, run, path, restarts)
         except RankFailed as e:
             output.discard(run)
-            if restarts >= config.max_restarts:
-                spent = f" (after {restarts} restart{'s' * (restarts != 1)})" if restarts else ""
-                raise RankFailed(e.rank, e.trace.rstrip() + f"\nmulticard: rank {e.rank} failed{spent}") from None
+            # a process stopped on purpose (Ctrl-C or SIGTERM to it alone) is not restarted: someone meant it
+            meant = said(e.rank, e.trace) and ("interrupted" in e.trace or "was stopped by" in e.trace)
+            if restarts >= config.max_restarts or meant:
+                if not restarts:
+                    raise
+                spent = f"after {restarts} restart{'s' * (restarts != 1)}"
+                trace = f"{e.trace.rstrip()} ({spent})" if said(e.rank, e.trace) else \
+                    f"{e.trace.rstrip()}\nmulticard: rank {e.rank} failed ({spent})"
+                raise RankFailed(e.rank, trace) from None
             restarts, resume = restarts + 1, "auto"
             say(f"rank {e.rank} failed; restart {restarts} of {config.max_restarts}, from the newest checkpoint")
             output.clean()  # what the failed attempt left half-written

@@ -20,6 +20,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from ..dist import progress
 from ..errors import UsageError
 from .images import ImageData
 
@@ -190,6 +191,7 @@ class Sharded:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             self.place = (epoch, skip + (i + 1 - drop) * g)
+            progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
             yield to_device(batch, self.device)
         if ordered:
             self.sampler.start = 0

@@ -1,0 +1,427 @@
+"""Never lose a run: SIGKILLs at random instants against --max-restarts and --resume, on this machine's CPU.
+
+Part 1, restarts: a 2-process ddp job (LeNet5, synthetic data, augmentation on, a checkpoint every 5 steps,
+--max-restarts 1). One unkilled reference run; then --runs runs, each with one worker (one of the launcher's two
+spawned children, picked at random: which pid is which rank is not known from outside) SIGKILLed at a point
+drawn uniformly over the run's progress, from its first checkpoint to one checkpoint interval past its last
+(the final evaluation and model.pt), found by watching its checkpoints appear (see killed_run). Target:
+every run finishes, and its model.pt equals the reference's bit for bit. A kill that lands after the job has
+already ended (no restart happened) is counted apart from those that caused a restart.
+
+Part 2, kills during checkpoint writes: a 1-process job (the launcher is the training process) writing a
+checkpoint every optimizer step, SIGKILLed --kills times. The kills are chained to save start-ups: the run is
+killed, then started again with --resume auto into the same --out and killed again, and so on; each kill comes
+at a random instant after that attempt's first new checkpoint appears. After every kill, before the next start
+(which would clean up), the newest whole checkpoint must be what --resume auto accepts: resolve("auto") finds
+it, describe() passes it, torch.load(weights_only=True) reads it and its "model" loads into a fresh LeNet5; every
+10th kill, and every kill whose newest checkpoint was taken after an epoch's last step, a copy of --out is
+actually resumed by `multicard train --resume auto` to the end of its epoch. How many kills found a step-*.part
+folder (the kill landed during a write) is counted: that share is the point. Part 2's processes run on one thread
+(OMP_NUM_THREADS=1) with augmentation off, so that steps are short and writes a large share of the time.
+
+Run with the multicard under test on PYTHONPATH (the spawned processes inherit it):
+
+    PYTHONPATH=src .venv/bin/python benchmarks/never_lose.py [--runs 20] [--kills 50] [--out benchmarks/results/...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from _common import machine
+
+import multicard
+from multicard import resume
+from multicard.bench_report import commit
+from multicard.models import LeNet5
+
+SEED = 20240611  # the random instants (and which worker) are reproducible from it
+MC = [sys.executable, "-m", "multicard", "train"]
+
+# part 1: 1920 / 48 = 40 steps an epoch, 160 in all, so that the training is a few seconds against a start-up of
+# ~4-6 s (three Pythons importing torch on 2 cores)
+SAVE_EVERY = 5
+DDP_ARGS = ["--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "1920", "--batch-size", "48",
+            "--epochs", "4", "--save-every-steps", str(SAVE_EVERY), "--max-restarts", "1", "--quiet"]
+DDP_STEPS_PER_EPOCH = 1920 // 48
+DDP_STEPS = DDP_STEPS_PER_EPOCH * 4
+# part 2: writes must fill a large share of the time. LeNet's checkpoint (model + Adam, ~0.75 MB) takes ~15 ms to
+# write; its step at batch 16, augmentation off, on one thread, about as long. (resnet8's steps are many times
+# slower for a checkpoint of the same size; at batch 64, or on 2 threads that spin against the machine's other
+# load, a LeNet step takes 5-10x longer: writes were ~5% of the time, against ~35% here.) 50 epochs of 256 steps
+# are far more than the chained attempts get through, so no attempt ends on its own.
+WRITE_BATCH = 16
+WRITE_ARGS = ["--devices", "cpu", "--model", "lenet5", "--data", "synthetic", "--synthetic-samples", "4096",
+              "--no-augment", "--batch-size", str(WRITE_BATCH), "--save-every-steps", "1", "--keep-checkpoints",
+              "2", "--quiet"]
+WRITE_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+WRITE_EPOCHS, WRITE_STEPS_PER_EPOCH = 50, 4096 // WRITE_BATCH
+KILL_WINDOW_S = 1.0  # part 2: a kill comes 0..this long after the attempt's first new checkpoint (~10 steps)
+POLL_S = 0.01
+
+
+def workers(launcher: int) -> list[int]:
+    """The launcher's spawned children (torch.multiprocessing's spawn_main), not its resource tracker."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
+        if ppid == launcher and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def wait_for_workers(proc: subprocess.Popen, n: int = 2, timeout: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(pids := workers(proc.pid)) >= n:
+            return pids
+        time.sleep(POLL_S)
+    raise RuntimeError(f"the launcher (pid {proc.pid}) never had {n} workers (exit code {proc.poll()})")
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def bit_identical(a: Path, b: Path) -> tuple[bool, str]:
+    """Every tensor of two model.pt files equal bit for bit (same names, dtypes, shapes, values)."""
+    x, y = (torch.load(p, map_location="cpu", weights_only=True) for p in (a, b))
+    if x.keys() != y.keys():
+        return False, f"different names: {sorted(x.keys() ^ y.keys())}"
+    differ = [k for k in x if x[k].dtype != y[k].dtype or not torch.equal(x[k], y[k])]
+    return not differ, f"{len(differ)} of {len(x)} tensors differ (first {differ[0]})" if differ else ""
+
+
+def steps_of(folder: Path) -> list[tuple[int, str]]:
+    """(step, name) of every step-* entry in a checkpoints folder, whole or .part."""
+    out = []
+    for p in folder.glob("step-*") if folder.is_dir() else []:
+        if m := re.fullmatch(r"step-(\d+)(\.part)?", p.name):
+            out.append((int(m.group(1)), p.name))
+    return sorted(out)
+
+
+# -- part 1 ----------------------------------------------------------------------------------------------------
+
+def appearances(proc: subprocess.Popen, folder: Path, seen: dict[int, float], t0: float,
+                until: int | None = None) -> None:
+    """Note in `seen` when each checkpoint step-N (whole or .part) first appears, in seconds after t0, until step
+    `until` has appeared or the process ends. Polled every 10 ms: checkpoints come every ~100+ ms, and with
+    --keep-checkpoints 2 none is deleted before it is seen."""
+    while proc.poll() is None and (until is None or until not in seen):
+        now = time.monotonic() - t0
+        for step, _ in steps_of(folder):
+            seen.setdefault(step, now)
+        time.sleep(POLL_S)
+
+
+def reference(work: Path) -> dict:
+    """The unkilled run, watched: when both workers exist, when each checkpoint appears, when it ends."""
+    out, log = work / "ref", work / "ref.log"
+    seen: dict[int, float] = {}
+    with open(log, "w") as f:
+        start = time.monotonic()
+        proc = subprocess.Popen([*MC, *DDP_ARGS, "--out", str(out)], stdout=f, stderr=subprocess.STDOUT)
+        wait_for_workers(proc)
+        t0 = time.monotonic()
+        appearances(proc, out / "checkpoints", seen, t0)
+        code = proc.wait()
+        end = time.monotonic() - t0
+    if code != 0 or DDP_STEPS not in seen:
+        raise RuntimeError(f"the reference run failed (exit {code}):\n{tail(log)}")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"exit_code": code, "wall_s": end + t0 - start, "workers_at_s": t0 - start,
+            "checkpoint_appeared_s": {step: round(t, 3) for step, t in sorted(seen.items())},
+            "ended_s": round(end, 3), "restarts": summary["restarts"],
+            "optimizer_steps": summary["optimizer_steps"], "out": str(out)}
+
+
+def killed_run(work: Path, i: int, rng: random.Random, ref_model: Path, ref_interval: float) -> dict:
+    """One run, one worker SIGKILLed at a point drawn uniformly over its progress, in optimizer steps, from its
+    first checkpoint (step 5) to one checkpoint interval past its last (step 160 + 5: the final evaluation,
+    model.pt, the exit). The point is reached by the clock, not by a fixed delay: the machine is shared, and its
+    load changes how long start-up and steps take from run to run (a fixed delay measured on a quiet reference
+    landed before the first checkpoint in 6 of 14 runs once the load rose). For a point p between checkpoints
+    c = 5*floor(p/5) and c+5: wait until step-c appears, then sleep (p-c)/5 of the time this run took from
+    step-(c-5) to step-c (for c = 5: the reference run's median interval between checkpoints)."""
+    out, log = work / f"run-{i:02d}", work / f"run-{i:02d}.log"
+    every = SAVE_EVERY
+    point = rng.uniform(every, DDP_STEPS + every)
+    pick = rng.randrange(2)
+    anchor = int(point // every * every)
+    seen: dict[int, float] = {}
+    with open(log, "w") as f:
+        start = time.monotonic()
+        proc = subprocess.Popen([*MC, *DDP_ARGS, "--out", str(out)], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            pids = wait_for_workers(proc)
+            t0 = time.monotonic()
+            appearances(proc, out / "checkpoints", seen, t0, until=anchor)
+            interval = seen[anchor] - seen[anchor - every] if anchor in seen and anchor - every in seen \
+                else ref_interval
+            delay = (point - anchor) / every * interval
+            time.sleep(delay)
+            victim = pids[pick]
+            killed_at = time.monotonic() - t0
+            try:
+                os.kill(victim, signal.SIGKILL)
+                delivered = True
+            except ProcessLookupError:  # that worker had already ended: the job was over
+                delivered = False
+            newest = steps_of(out / "checkpoints")
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        wall = time.monotonic() - start
+    text = log.read_text(errors="replace")
+    failed = re.search(r"rank (\d+) failed; restart", text)
+    resumed = re.search(r"resuming from \S*step-(\d+)/state.pt", text)
+    row = {"run": i, "kill_at_step": round(point, 2), "anchor_checkpoint": anchor,
+           "anchor_seen": anchor in seen, "delay_after_anchor_s": round(delay, 3),
+           "killed_at_s_after_workers": round(killed_at, 3), "killed_pid": victim,
+           "pid_order": "lower" if pick == 0 else "higher",
+           "kill_delivered": delivered, "checkpoints_at_kill": [n for _, n in newest], "exit_code": code,
+           "failed_rank_reported": int(failed.group(1)) if failed else None,
+           "restart_resumed_from_step": int(resumed.group(1)) if resumed else None,
+           # a step checkpoint taken after an epoch's last step (its place: all of the epoch's samples served)
+           "resumed_from_an_epoch_end": bool(resumed) and int(resumed.group(1)) % DDP_STEPS_PER_EPOCH == 0,
+           "wall_s": round(wall, 2)}
+    if code == 0 and (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+        same, why = bit_identical(out / "model.pt", ref_model)
+        row.update(restarts=summary["restarts"], resumed_from=summary["resumed_from"],
+                   optimizer_steps=summary["optimizer_steps"], bit_identical=same)
+        if why:
+            row["difference"] = why
+    else:
+        row.update(restarts=None, bit_identical=False, output_tail=tail(log))
+    return row
+
+
+# -- part 2 ----------------------------------------------------------------------------------------------------
+
+def accepts(out: Path) -> dict:
+    """What --resume auto would do with --out now: the newest whole checkpoint, described, read, and loaded."""
+    try:
+        path = resume.resolve("auto", out)
+        if path is None:
+            return {"accepted": False, "why": "no whole checkpoint"}
+        where = resume.describe(path, WRITE_BATCH)
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+        LeNet5().load_state_dict(raw["model"])  # strict: every name and shape
+        missing = [k for k in ("optimizer", "scheduler", "loader", "history", "steps") if k not in raw]
+        if missing:
+            return {"accepted": False, "why": f"{path} lacks {missing}"}
+        return {"accepted": True, "checkpoint": path.parent.name, "steps": raw["steps"],
+                "epoch": raw["loader"]["epoch"], "describe": where}
+    except Exception as e:  # UsageError from describe, anything from torch.load / load_state_dict
+        return {"accepted": False, "why": f"{type(e).__name__}: {e}"}
+
+
+def resume_to_end(work: Path, out: Path, k: int, check: dict) -> dict:
+    """A copy of --out as the kill left it, resumed by `multicard train --resume auto` to its epoch's end."""
+    copy = work / f"resume-{k:02d}"
+    shutil.copytree(out, copy, symlinks=True)
+    epochs = check["epoch"] + 1
+    cmd = [*MC, *WRITE_ARGS, "--epochs", str(epochs), "--resume", "auto", "--out", str(copy)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=WRITE_ENV)
+    row = {"command": shlex.join(["python", "-m", "multicard", *cmd[3:]]), "exit_code": done.returncode}
+    if done.returncode == 0:
+        summary = json.loads((copy / "summary.json").read_text())
+        row.update(resumed_from=summary["resumed_from"], optimizer_steps=summary["optimizer_steps"],
+                   ok=summary["resumed_from"] is not None
+                   and Path(summary["resumed_from"]).parent.name == check["checkpoint"]
+                   and summary["optimizer_steps"] == epochs * WRITE_STEPS_PER_EPOCH)
+    else:
+        row.update(ok=False, output_tail=(done.stdout + done.stderr)[-3000:])
+    shutil.rmtree(copy, ignore_errors=True)
+    return row
+
+
+def write_kills(work: Path, kills: int, rng: random.Random) -> list[dict]:
+    out, rows, chain = work / "writes", [], 0
+    for k in range(kills):
+        before = steps_of(out / "checkpoints")
+        newest_before = max((s for s, n in before if not n.endswith(".part")), default=-1)
+        delay = rng.uniform(0, KILL_WINDOW_S)
+        log = work / f"write-{k:02d}.log"
+        cmd = [*MC, *WRITE_ARGS, "--epochs", str(WRITE_EPOCHS), "--resume", "auto", "--out", str(out)]
+        with open(log, "w") as f:
+            start = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=WRITE_ENV)
+            try:
+                while proc.poll() is None:  # this attempt's first new whole checkpoint
+                    if any(s > newest_before and not n.endswith(".part") for s, n in steps_of(out / "checkpoints")):
+                        break
+                    time.sleep(POLL_S)
+                first = time.monotonic() - start
+                time.sleep(delay)
+                ended_first = proc.poll()
+                proc.send_signal(signal.SIGKILL)
+                code = proc.wait(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        after = steps_of(out / "checkpoints")
+        parts = [n for _, n in after if n.endswith(".part")]
+        row = {"kill": k, "chain": chain, "delay_s": round(delay, 3), "first_new_checkpoint_s": round(first, 2),
+               "exit_code": code, "ended_before_kill": ended_first is not None, "resumed_from_step": newest_before,
+               "checkpoints_after": [n for _, n in after], "part_folders": parts,
+               "part_contents": {n: sorted(p.name for p in (out / "checkpoints" / n).iterdir()) for n in parts},
+               "mid_write": bool(parts), **accepts(out)}
+        if ended_first is not None:  # it ended on its own (or failed): say so, and start a fresh chain
+            row["output_tail"] = tail(log)
+        # the place after an epoch's last step: all of its samples served (what part 1's failures resumed from)
+        row["epoch_end"] = row["accepted"] and row["steps"] % WRITE_STEPS_PER_EPOCH == 0
+        if row["accepted"] and ((k + 1) % 10 == 0 or row["epoch_end"]):
+            row["resume_run"] = resume_to_end(work, out, k, row)
+        rows.append(row)
+        print(f"  kill {k + 1:2d}/{kills}: {delay:.2f} s after step-{newest_before + 1}  "
+              f"{'mid-write ' + ','.join(parts) if parts else 'between writes':36s} "
+              f"{'accepted ' + row['checkpoint'] if row['accepted'] else 'REFUSED: ' + row['why']}"
+              + (f"  resume run {'ok' if row['resume_run']['ok'] else 'FAILED'}" if "resume_run" in row else ""),
+              flush=True)
+        if ended_first is not None:
+            shutil.rmtree(out, ignore_errors=True)
+            chain += 1
+    return rows
+
+
+# -- main ------------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="part 1: killed ddp runs")
+    parser.add_argument("--kills", type=int, default=50, help="part 2: kills of the checkpoint-writing run")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "never_lose.json")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders and logs")
+    args = parser.parse_args()
+    rng = random.Random(SEED)
+    work = Path(tempfile.mkdtemp(prefix="never-lose-"))
+    began = time.monotonic()
+
+    print(f"part 1: reference run ({shlex.join(DDP_ARGS)})", flush=True)
+    ref = reference(work)
+    times = ref["checkpoint_appeared_s"]
+    at = list(times.values())
+    ref_interval = statistics.median(b - a for a, b in zip(at, at[1:], strict=False))
+    print(f"  {ref['wall_s']:.1f} s; workers at {ref['workers_at_s']:.1f} s; checkpoints from "
+          f"{times[SAVE_EVERY]:.2f} s to {times[DDP_STEPS]:.2f} s after both workers exist, every "
+          f"{ref_interval:.3f} s (median); ended at {ref['ended_s']:.2f} s", flush=True)
+    runs = []
+    for i in range(args.runs):
+        row = killed_run(work, i, rng, Path(ref["out"]) / "model.pt", ref_interval)
+        runs.append(row)
+        print(f"  run {i + 1:2d}/{args.runs}: kill at step {row['kill_at_step']:6.2f} ({row['pid_order']} pid)  exit "
+              f"{row['exit_code']}  restarts {row['restarts']}  resumed from step {row['restart_resumed_from_step']}"
+              f"{' (an epoch end)' if row['resumed_from_an_epoch_end'] else ''}  bit-identical {row['bit_identical']}"
+              + (f"  {row['difference']}" if "difference" in row else ""), flush=True)
+        if "output_tail" in row:
+            print("    " + row["output_tail"].replace("\n", "\n    "), flush=True)
+    part1_s = time.monotonic() - began
+
+    print(f"part 2: {args.kills} kills of a run writing a checkpoint every step ({shlex.join(WRITE_ARGS)})",
+          flush=True)
+    kills = write_kills(work, args.kills, rng)
+    total = time.monotonic() - began
+
+    finished = sum(r["exit_code"] == 0 for r in runs)
+    identical = sum(r["bit_identical"] for r in runs)
+    restarted = sum(r["failed_rank_reported"] is not None for r in runs)  # the launcher said it restarted
+    after_end = sum(r["exit_code"] == 0 and r["restarts"] == 0 for r in runs)
+    accepted = sum(r["accepted"] for r in kills)
+    mid = sum(r["mid_write"] for r in kills)
+    mid_ok = sum(r["accepted"] and r["mid_write"] for r in kills)
+    resumed = [r["resume_run"] for r in kills if "resume_run" in r]
+    counts = {"runs": len(runs), "finished": finished, "bit_identical": identical, "kills_that_caused_a_restart":
+              restarted, "kills_after_the_job_had_ended": after_end,
+              "bit_identical_of_restarted": sum(r["bit_identical"] and r["restarts"] == 1 for r in runs),
+              "kills": len(kills), "accepted": accepted, "kills_mid_write": mid, "accepted_of_mid_write": mid_ok,
+              "mid_write_share": mid / max(len(kills), 1), "resume_runs": len(resumed),
+              "resume_runs_ok": sum(r["ok"] for r in resumed),
+              "restarts_from_an_epoch_end": sum(r["resumed_from_an_epoch_end"] for r in runs),
+              "restarts_from_an_epoch_end_finished": sum(r["resumed_from_an_epoch_end"] and r["exit_code"] == 0
+                                                         for r in runs),
+              "restarts_from_elsewhere_finished": sum(r["restarts"] == 1 and not r["resumed_from_an_epoch_end"]
+                                                      for r in runs),
+              "kills_leaving_an_epoch_end_checkpoint": sum(r.get("epoch_end", False) for r in kills),
+              "epoch_end_resume_runs_ok": sum(r["resume_run"]["ok"] for r in kills
+                                              if r.get("epoch_end") and "resume_run" in r)}
+
+    print("\n| target | result |\n|---|---:|")
+    print(f"| killed ddp runs that finish (--max-restarts 1) | {finished}/{len(runs)} |")
+    print(f"| their model.pt bit-identical to the unkilled run's | {identical}/{len(runs)} |")
+    print(f"| kills that caused a restart (the others landed after the job ended) | {restarted}/{len(runs)} |")
+    print(f"| kills during checkpointing whose newest whole checkpoint --resume auto accepts | "
+          f"{accepted}/{len(kills)} |")
+    print(f"| of those kills, landed mid-write (a step-*.part was there) | {mid}/{len(kills)} "
+          f"({mid / max(len(kills), 1):.0%}); accepted {mid_ok}/{mid} |")
+    print(f"| copies actually resumed by multicard train --resume auto to their epoch's end | "
+          f"{counts['resume_runs_ok']}/{len(resumed)} |")
+    print(f"| restarts from a checkpoint taken after an epoch's last step that finished | "
+          f"{counts['restarts_from_an_epoch_end_finished']}/{counts['restarts_from_an_epoch_end']} |")
+    print(f"| part 2 kills whose newest checkpoint is at an epoch's end; their resume runs ok | "
+          f"{counts['kills_leaving_an_epoch_end_checkpoint']}; {counts['epoch_end_resume_runs_ok']} |")
+    print(f"\ntotal wall time {total / 60:.1f} min (part 1 {part1_s / 60:.1f} min)")
+
+    result = {
+        "benchmark": "never_lose", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": machine(), "torch": torch.__version__,
+        "multicard_source": {"commit": commit(), "path": str(Path(multicard.__file__).parent)},
+        "command": (f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else "")
+        + shlex.join([Path(sys.executable).name, *sys.argv]),
+        "commands": {"part1": shlex.join(["python", "-m", "multicard", "train", *DDP_ARGS, "--out", "DIR"]),
+                     "part2": "OMP_NUM_THREADS=1 " + shlex.join(["python", "-m", "multicard", "train", *WRITE_ARGS,
+                                                                 "--epochs", str(WRITE_EPOCHS), "--resume", "auto",
+                                                                 "--out", "DIR"]),
+                     "part2_resume_check": "part2 with --epochs <the checkpoint's epoch + 1>, on a copy of DIR"},
+        "settings": {"seed": SEED, "part1_kill": "SIGKILL of one of the launcher's 2 spawned workers (picked at "
+                     f"random), at a point drawn uniformly over steps {SAVE_EVERY}..{DDP_STEPS + SAVE_EVERY}: after "
+                     "checkpoint c = 5*floor(p/5) appears, (p-c)/5 of this run's last checkpoint interval",
+                     "part1_reference_checkpoint_interval_s": ref_interval,
+                     "part2_kill": f"SIGKILL of the (single) training process, 0-{KILL_WINDOW_S} s (uniform) after "
+                     "that attempt's first new whole checkpoint; chained: each next attempt is --resume auto into "
+                     "the same --out", "part2_accept": "resolve('auto') + describe() + torch.load(weights_only=True)"
+                     " + LeNet5().load_state_dict(strict); every 10th: a copy resumed by multicard train to its "
+                     "epoch's end (exit 0, resumed from that checkpoint, all steps of the epochs counted)"},
+        "counts": counts, "reference": ref, "runs": runs, "kills": kills,
+        "wall_s": {"total": total, "part1": part1_s, "part2": total - part1_s},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    failed = finished < len(runs) or identical < len(runs) or accepted < len(kills) or \
+        counts["resume_runs_ok"] < len(resumed)
+    if args.keep or failed:
+        print(f"runs and logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

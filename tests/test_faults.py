@@ -1,0 +1,306 @@
+"""Never lose a run, never hang: signals to the launcher or to one rank, a launcher killed outright, a frozen rank,
+and a stale environment. Each end-to-end test runs a tiny `multicard train` in a process group of its own and
+kills whatever is left of that group when it ends."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from multicard import dist, launcher
+from multicard.dist import Job
+from multicard.errors import UsageError
+
+TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
+         "--quiet", "--no-augment"]
+JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", dist.PROGRESS)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES and not k.startswith("SLURM_")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+class Run:
+    """`multicard train` in a new session (its own process group), its output read as it comes."""
+
+    def __init__(self, out, *extra: str, ignore_sigint: bool = False):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "multicard", *TRAIN, "--out", str(out), *extra], cwd=ROOT,
+            env=clean_env(TMPDIR=str(out.parent)),  # what a killed launcher cannot clean up stays in the test's folder
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+        self.pid, self.lines, self.err = self.process.pid, queue.Queue(), []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.process.stderr), daemon=True).start()
+
+    def training(self, within: float = 60) -> None:
+        """Wait until rank 0 says it trains."""
+        deadline = time.monotonic() + within
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if "training" in line:
+                return
+
+    def workers(self) -> list[int]:
+        """The launcher's spawned processes, in the order they started (ranks 0, 1, ...)."""
+        return [pid for _, pid in sorted((int(stat(pid)[19]), pid) for pid in processes()
+                                         if stat(pid)[1] == str(self.pid) and "spawn_main" in cmdline(pid))]
+
+    def end(self, within: float) -> tuple[int, str]:
+        code = self.process.wait(within)
+        time.sleep(0.2)  # the reading thread catches up
+        return code, "".join(self.err)
+
+    def kill(self) -> None:
+        """Leave nothing behind: every process of the group, stopped ones too."""
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@pytest.fixture
+def runs():
+    started: list[Run] = []
+    yield lambda *args, **kw: started.append(Run(*args, **kw)) or started[-1]
+    for run in started:
+        run.kill()
+
+
+def processes() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def stat(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [state, ppid, pgrp, ...]; ["X"] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return ["X"] * 20
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def running(pids) -> list[int]:
+    return [pid for pid in pids if stat(pid)[0] not in ("X", "Z")]
+
+
+def group(pgid: int) -> list[int]:
+    return running(pid for pid in processes() if stat(pid)[2] == str(pgid))
+
+
+def gone(pids_of, within: float) -> bool:
+    """Whether the processes that pids_of() lists are all gone within `within` seconds."""
+    deadline = time.monotonic() + within
+    while pids_of() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not pids_of()
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGHUP", marks=pytest.mark.slow),
+                                  pytest.param("SIGINT", marks=pytest.mark.slow)])
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
+    run = runs(tmp_path / "out")
+    run.training()
+    workers = run.workers()
+    assert len(workers) == 2
+    os.kill(run.pid, getattr(signal, name))
+    code, err = run.end(30)
+    assert code == 128 + getattr(signal, name)
+    assert err.rstrip().splitlines()[-1] == f"multicard: stopped by {name}; every rank was stopped"
+    assert "leaked semaphore" not in err  # the ranks were stopped cleanly, not killed
+    assert running(workers) == [] and gone(lambda: group(run.pid), 5)
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+@pytest.mark.parametrize("when", ["start-up", pytest.param("training", marks=pytest.mark.slow)])
+def test_a_launcher_killed_outright_takes_its_workers_along(tmp_path, runs, when):
+    run = runs(tmp_path / "out", ignore_sigint=True)  # as under `&` or nohup: torch's SIGINT on parent death is lost
+    if when == "training":
+        run.training()
+    deadline = time.monotonic() + 30
+    while len(run.workers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = run.workers()
+    assert len(workers) == 2
+    os.kill(run.pid, signal.SIGKILL)
+    assert gone(lambda: running(workers), 15)
+    time.sleep(1)  # nothing comes later either
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+def test_sigint_to_one_worker_fails_the_job_naming_it(tmp_path, runs):
+    run = runs(tmp_path / "out")
+    run.training()
+    os.kill(run.workers()[1], signal.SIGINT)
+    code, err = run.end(30)
+    assert code == 1
+    assert "multicard: rank 1 was interrupted (SIGINT); every rank was stopped" in err
+    assert "leaked semaphore" not in err
+    assert gone(lambda: group(run.pid), 5)
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, runs):
+    run = runs(tmp_path / "out", "--timeout", "5")
+    run.training()
+    os.kill(run.workers()[1], signal.SIGSTOP)
+    start = time.monotonic()
+    code, err = run.end(5 + 15)
+    assert time.monotonic() - start < 5 + 15
+    assert code != 0
+    assert ("multicard: rank 1 stopped making progress (it was stopped by a signal; rank 0 timed out waiting for it "
+            "after 5 s); every rank was stopped") in err
+    assert "leaked semaphore" not in err
+    assert gone(lambda: group(run.pid), 10)
+
+
+@pytest.mark.slow
+def test_multicard_run_names_a_frozen_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import os, signal\nimport multicard\nfrom multicard import dist\n"
+                      "mc = multicard.Multicard(timeout=3)\n"
+                      "for step in range(10**6):\n    dist.progress()\n    mc.all_reduce(1.0)\n"
+                      "    if step == 20 and mc.rank == 1:\n        os.kill(os.getpid(), signal.SIGSTOP)\n")
+    out = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(script)], cwd=ROOT,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        err = out.communicate(timeout=60)[1]
+        assert out.returncode != 0
+        assert err.rstrip().splitlines()[-1] == ("multicard: rank 1 stopped making progress (it was stopped by a "
+                                                 "signal; rank 0 timed out waiting for it after 3 s); every rank was "
+                                                 "stopped")
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(out.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_stale_environment_names_the_missing_rank(tmp_path):
+    port = launcher.free_port()
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "multicard", "train", "--data", "synthetic", "--synthetic-samples",
+                          "64", "--epochs", "1", "--quiet", "--timeout", "3", "--out", str(tmp_path)], cwd=ROOT,
+                         env=clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and time.monotonic() - start < 30
+    assert out.stderr.splitlines() == [
+        f"multicard: error: rendezvous at 127.0.0.1:{port}: 1 of 2 processes joined within 3 s; missing rank 1 "
+        f"(RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT came from the environment (torchrun, SLURM or your shell): a "
+        f"stale environment? unset RANK and WORLD_SIZE to run alone)"]
+
+
+@pytest.mark.parametrize("env, words", [({"RANK": "5", "WORLD_SIZE": "2"}, "RANK=5 with WORLD_SIZE=2"),
+                                        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment is not a")])
+def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
+    start = time.monotonic()
+    out = run_cli("train", "--out", str(tmp_path), env=clean_env(**env), timeout=60)
+    assert out.returncode == 2 and time.monotonic() - start < 30
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("multicard: error: ") and words in lines[0]
+
+
+# -- the parts, in this process ------------------------------------------------------------------------------
+@pytest.fixture
+def slot(tmp_path, monkeypatch):
+    """This process as rank 0 of a job our launcher started: its progress file."""
+    path = launcher.slot_path(str(tmp_path), 0)
+    dist.new_slot(path)
+    monkeypatch.setenv(dist.PROGRESS, path)
+    monkeypatch.setattr(dist, "_slot", None)
+    return path
+
+
+def test_progress_reaches_the_launcher(slot):
+    assert dist.read_slot(slot) == (0.0, 0.0, False)
+    before = time.monotonic()
+    dist.progress()
+    last, _, timed_out = dist.read_slot(slot)
+    assert before <= last <= time.monotonic() and not timed_out
+    dist.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert dist.read_slot(slot)[2]
+
+
+def test_progress_outside_a_job_is_nearly_free(monkeypatch):
+    monkeypatch.delenv(dist.PROGRESS, raising=False)
+    monkeypatch.setattr(dist, "_slot", None)
+    start = time.perf_counter()
+    for _ in range(100_000):
+        dist.progress()
+    assert time.perf_counter() - start < 1  # about 0.2 us a call
+
+
+def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path):
+    folder = str(tmp_path)
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for rank in range(3):
+            dist.new_slot(launcher.slot_path(folder, rank))
+
+        def show(rank: int, last: float, timed_out: bool = False) -> None:
+            with open(launcher.slot_path(folder, rank), "r+b") as f:
+                f.write(dist.SLOT.pack(last, 5.0, 1.0 if timed_out else 0.0))
+
+        now = time.monotonic()
+        show(0, now - 6)
+        show(1, now - 1)
+        show(2, now - 9)
+        others = {1: sleepers[0].pid, 2: sleepers[1].pid}
+        assert launcher.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
+        show(0, now - 6, timed_out=True)
+        rank, why = launcher.blame(0, others, folder)
+        assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s; rank 0 "
+                                            "timed out waiting for it after 5 s")
+        os.kill(sleepers[0].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while stat(sleepers[0].pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert launcher.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
+                                                        "rank 0 timed out waiting for it after 5 s)")
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+
+
+def test_a_rendezvous_names_who_is_missing(monkeypatch):
+    port, other = launcher.free_port(), launcher.free_port()  # the store of the first try may outlive it
+    for name in JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{port}: 1 of 3 processes joined within "
+                                              r"1 s; missing ranks 1 and 2 \(RANK/WORLD_SIZE"):
+        dist.rendezvous(Job(0, 3, launcher="torchrun"), 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", str(other))
+    with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{other}: rank 1 of 3 found no rank 0 "
+                                              r"there within 1 s \(RANK/WORLD_SIZE"):
+        dist.rendezvous(Job(1, 3, launcher="torchrun"), 1)
