@@ -141,6 +141,48 @@ def test_once_the_restarts_are_spent_the_run_fails_naming_the_rank(tmp_path):
     assert [p.name for p in earlier.glob(".run-*")] == [os.readlink(earlier / ".current")]
 
 
+DIES_ONCE = """
+import os, signal
+from pathlib import Path
+from multicard.models import LeNet5
+
+class DiesOnce(LeNet5):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("RANK") == "1":
+            self.batches += 1
+            if self.batches == 9 and not os.path.exists({marker!r}):
+                Path({marker!r}).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_go_on_from_the_newest_checkpoint_with_resume_auto(tmp_path):
+    from multicard.launcher import free_port
+
+    (tmp_path / "dies.py").write_text(DIES_ONCE.format(marker=str(tmp_path / "died")))
+    job = ["--data", "synthetic", "--synthetic-samples", "480", "--batch-size", "48", "--epochs", "3", "--quiet",
+           "--save-every-steps", "4"]
+    plain = subprocess.run([sys.executable, "-m", "multicard", "train", "--devices", "cpu:2", *job, "--out",
+                            str(tmp_path / "plain")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert plain.returncode == 0, plain.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    run = subprocess.run([*torchrun, "-m", "multicard", "train", "--model", "dies.py:DiesOnce", *job, "--resume",
+                          "auto", "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "died").exists() and "resuming from" in run.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["launcher"] == "torchrun" and summary["restarts"] == 1
+    assert identical(tmp_path / "plain", tmp_path / "run")
+
+
 def test_resume_auto_without_a_checkpoint_starts_from_the_beginning(tmp_path, capsys):
     lenet_run(tmp_path / "a", strategy="single", devices="cpu", epochs=1)
     lenet_run(tmp_path / "b", strategy="single", devices="cpu", epochs=1, resume="auto", quiet=False)

@@ -149,6 +149,12 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
                             world_size=job.world, timeout=timeout)
 
 
+def attempt() -> str:
+    """The keys of this attempt at the job: torchrun's agent keeps its store across restarts, so keys of an
+    earlier attempt (the addresses of processes gone) are still there; torch's own rendezvous does the same."""
+    return f"multicard/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def rendezvous(job: Job, timeout_s: float):
     """Meet every other process of the job at MASTER_ADDR:MASTER_PORT and return the store there. Each one
     says it joined; one that does not come within the timeout is named, with where the job came from.
@@ -175,7 +181,8 @@ def rendezvous(job: Job, timeout_s: float):
             reason = "the port is taken" if "EADDRINUSE" in str(e) else str(e).splitlines()[0]
             raise UsageError(f"{where}: rank 0 cannot hold the store there ({reason}); {origin}") from None
     store.set_timeout(timedelta(seconds=timeout_s))  # for what the process group asks of it later, in full
-    joined = PrefixStore(f"multicard/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined/", store)
+    store = PrefixStore(attempt(), store)
+    joined = PrefixStore("joined/", store)
     ranks = [str(r) for r in range(job.world)]
     try:
         joined.set(str(job.rank), "1")

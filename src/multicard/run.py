@@ -76,7 +76,9 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
 def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainConfig, recipe: tuple) -> dict:
     """Run the job; where a process dies and restarts are left, stop all and start again from the newest
     checkpoint. Rank 0 shows the run's files in --out only once it has ended well."""
-    restarts, resume, talk = 0, config.resume, output is not None and not config.quiet
+    # under torchrun --max-restarts, torchrun restarts the processes and counts (0 elsewhere)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) if mc.launcher == "torchrun" else 0
+    resume, talk = config.resume, output is not None and not config.quiet
     while True:
         path = resolve(resume, config.out)
         if path is not None and output is not None:
