@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,11 @@ def stateful_state(obj: Any) -> Any:
     return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
 
 
-def load_state(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+def load_state(path: str | Path, state: dict[str, Any], load_module: Callable | None = None) -> dict[str, Any]:
     """Load a save_state file into the objects of `state` (modules, optimizers, ...), replace its plain
     values, and return what the file holds besides the objects restored. A model's plain state_dict (a
-    model.pt) loads into the one module of `state`."""
+    model.pt) loads into the one module of `state`. `load_module(module, state_dict)`: how a checked
+    state_dict goes into a module (default: its load_state_dict)."""
     raw = read(path)
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     if is_state_dict(raw) and len(modules) == 1 and modules[0] not in raw:
@@ -96,7 +98,7 @@ def load_state(path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
     restored = set()
     for key, obj in state.items():
         if isinstance(obj, nn.Module):
-            load_into(obj, raw[key], f"checkpoint {path}, {key!r}")
+            load_into(obj, raw[key], f"checkpoint {path}, {key!r}", load_module)
         elif callable(getattr(obj, "load_state_dict", None)):
             try:
                 obj.load_state_dict(raw[key])
@@ -117,7 +119,7 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
     return load_into(model, state, f"checkpoint {path}")
 
 
-def load_into(model: nn.Module, state: Any, what: str) -> nn.Module:
+def load_into(model: nn.Module, state: Any, what: str, load_module: Callable | None = None) -> nn.Module:
     """A state_dict into `model`, after checking every name and shape: a mismatch is one line, and leaves the
     model as it was."""
     if not is_state_dict(state):
@@ -131,7 +133,7 @@ def load_into(model: nn.Module, state: Any, what: str) -> nn.Module:
             f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"
         raise UsageError(f"{what}: does not fit the model "
                          f"({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; {first})")
-    model.load_state_dict(state)
+    (load_module or type(model).load_state_dict)(model, state)
     return model
 
 

@@ -16,7 +16,7 @@ def opt(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
-STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced")
+STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced", "fsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -37,9 +37,14 @@ class TrainConfig:
 
     # where to train
     # auto: ddp on 2+ cards, single on 1 card or on the CPU
-    strategy: str = opt("auto", "auto, single, ddp, dp or dp-balanced", choices=STRATEGIES)
+    strategy: str = opt("auto", "auto, single, ddp, dp, dp-balanced or fsdp", choices=STRATEGIES)
     # auto: every visible card, else the CPU; cpu:N runs N processes (ddp on gloo)
     devices: str = opt("auto", "auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1")
+    # fsdp shards the model's repeated blocks (a ModuleList's or Sequential's children of one class) by default
+    fsdp_blocks: str = opt("", "fsdp: class names of the blocks to shard one by one, e.g. TransformerBlock "
+                           "(default: the model's repeated blocks)")
+    # True: least memory (a block's parameters gathered again for backward); False: one all-gather less per block
+    reshard_after_forward: bool = opt(True, "fsdp: free each block's gathered parameters after its forward")
     # a model without unused parameters would pay for the extra graph walk for nothing
     find_unused_parameters: bool = opt(False, "ddp: allow parameters that get no gradient")
 
@@ -83,7 +88,7 @@ class TrainConfig:
     # gradient scaler (steps with inf/nan gradients are skipped, and counted in the summary)
     precision: str = opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + gradient scaler)", choices=PRECISIONS)
     # BatchNorm statistics per process differ from one process's; synchronized, they are the whole batch's
-    sync_bn: bool = opt(False, "ddp: BatchNorm layers compute their statistics over all processes")
+    sync_bn: bool = opt(False, "ddp, fsdp: BatchNorm layers compute their statistics over all processes")
     # compiling costs tens of seconds up front; worth it only for long runs on cards
     compile: bool = opt(False, "torch.compile the model")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launcher, memory, strategies
+from . import checkpoint, launcher, memory, shards, strategies
 from .data.loaders import Sharded, shard
 from .devices import select
 from .dist import job_from_env
@@ -37,7 +37,8 @@ OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself res
 class Multicard:
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
-    strategy: auto, single, ddp, dp or dp-balanced (auto: ddp on 2+ cards or in a launched job, else single).
+    strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
+    single).
     devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
     precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
     same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
@@ -45,13 +46,15 @@ class Multicard:
     seed: the data order's seed where a shuffling DataLoader has no generator of its own (every process
     must deal out the same order). Under `multicard run`, "auto" takes the launcher's --strategy / --devices.
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
+    fsdp_blocks, reshard_after_forward: fsdp: the class names of the blocks to shard one by one (default: the
+    model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
     timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
     the process that stopped making progress.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
                  seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
-                 timeout: float = 120.0):
+                 fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0):
         if precision not in PRECISIONS:
             raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
@@ -66,6 +69,13 @@ class Multicard:
         if not 0 < timeout < float("inf"):
             raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
         strategy.timeout_s = timeout
+        if getattr(strategy, "sharded", False):
+            if precision == "fp16":
+                raise UsageError("fsdp takes precision bf16 (its own mixed precision: bf16 compute, fp32 "
+                                 "reductions) or fp32, not fp16")
+            if not isinstance(strategy, Strategy) or not hasattr(strategy, "param_dtype"):
+                strategy.blocks, strategy.reshard_after_forward = fsdp_blocks, reshard_after_forward
+                strategy.param_dtype = PRECISIONS[precision]
         self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
@@ -109,6 +119,11 @@ class Multicard:
     def device_note(self) -> str:
         """What the choice of devices has to say, e.g. "no CUDA card found: training on the CPU" (or "")."""
         return self._strategy.devices.note
+
+    @property
+    def sharded(self) -> bool:
+        """fsdp: each process holds a part of the model (state_dict and save gather or write the parts)."""
+        return getattr(self._strategy, "sharded", False)
 
     @property
     def launcher(self) -> str:
@@ -173,6 +188,9 @@ class Multicard:
         self._start()
         if isinstance(model, Prepared):
             raise UsageError("this model was set up already: call setup once per model")
+        if optimizers and self.sharded:
+            raise UsageError("under fsdp, setup replaces the parameters by their shards: build the optimizer "
+                             "after model = mc.setup(model), over model.parameters()")
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
         forward = self._strategy.wrap_model(model.to(self.device))
@@ -309,20 +327,34 @@ class Multicard:
             print(*args, **kwargs, flush=True)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
+        the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
+        self._start()
+        module = self.unwrap(model)
+        return self._strategy.model_state(module) if self.sharded else checkpoint.plain_state(module)
+
     def save(self, path: str | Path, state: dict[str, Any]) -> None:
         """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
         resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
         this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
         random). Rank 0 writes `path`, each other rank its random streams beside it (state.rank1.pt, a few
         KB), each file atomically. Call it on every rank after an optimizer step; no rank waits for another,
-        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load)."""
+        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load).
+        Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
+        a folder beside `path`, so there every rank must call it."""
         self._start()
         self._saves += 1
+        path = Path(path)
         own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
+        if self.sharded:
+            state, own["shards"] = shards.save(path, self._saves, state, self.unwrap)
         if self.is_main:
             if self.scaler is not None:
                 own.update(scaler=self.scaler.state_dict(), skipped=self.skipped_steps)
             checkpoint.save_state(path, {**state, OWN: own})
+            if self.sharded:
+                shards.drop_older(path, own["shards"]["folder"])
         else:
             checkpoint.write_atomic({**own, "rank": self.rank}, checkpoint.rank_file(path, self.rank))
 
@@ -331,13 +363,36 @@ class Multicard:
         process, and restore the random streams and the gradient scaler; plain values in `state` are
         replaced. Returns the file's entries that were not restored into an object (e.g. {"epoch": 3});
         without `state`, everything. Read with weights_only=True. On another number of processes the data
-        order goes on where it stopped (same global batch), and the random streams start afresh."""
+        order goes on where it stopped (same global batch; fsdp's shards are resharded), and the random streams
+        start afresh."""
         self._start()
-        raw = checkpoint.load_state(path, state) if state is not None else checkpoint.read(path)
-        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
+        if state is None:
+            return checkpoint.read(path)
+        path = Path(path)
+        head = checkpoint.read(path)
+        info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
+        if info is not None and not self.sharded:
+            raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
+                             f"strategy fsdp (its model.pt holds the whole model for any strategy)")
+        if info is not None:
+            models, optimizers = shards.split(state)
+            shards.load(path, info, state, self.unwrap)
+            rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
+            raw = checkpoint.load_state(path, rest)
+            state.update(rest)  # the plain values read
+        else:
+            raw = checkpoint.load_state(path, state, self._load_module)
+        own = raw.pop(OWN, None)
         if own is not None:
-            self._restore(Path(path), own)
+            self._restore(path, own)
         return raw
+
+    def _load_module(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """A whole state_dict into a set-up model: under fsdp into its shards."""
+        if self.sharded:
+            self._strategy.load_model_state(self.unwrap(module), state)
+        else:
+            module.load_state_dict(state)
 
     def _restore(self, path: Path, own: dict[str, Any]) -> None:
         """The scaler, this object's save count, and this rank's random streams where they were saved."""

@@ -21,6 +21,7 @@ from . import resume as resume_module
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
+from .memory import shard_bytes
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,13 @@ def evaluate(mc: Multicard, model: nn.Module, stats: Callable, loader) -> dict[s
 
 def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, criterion: Callable,
         stats: Callable, train_loader, test_loader, config: TrainConfig, per_step: bool = True,
-        on_epoch: Callable[[list[dict]], None] | None = None, resume: Path | None = None) -> list[dict]:
+        on_epoch: Callable[[list[dict]], None] | None = None, resume: Path | None = None,
+        held: dict | None = None) -> list[dict]:
     """Train the set-up `model` for config.epochs; return one record per epoch. `criterion` and `stats` (the
     loss and the metric, stacked) are set up with mc; the loaders too (the training one with config.accumulate
     micro-batches per step). The scheduler steps after every optimizer step (`per_step`) or every epoch.
-    on_epoch(history) after each epoch.
+    on_epoch(history) after each epoch. `held`, if given, receives the bytes this process holds of the
+    parameters, their gradients and the optimizer's state, measured at the first optimizer step (fsdp: shards).
 
     Checkpoints go to config.out/checkpoints every config.save_every epochs and config.save_every_steps optimizer
     steps; `resume` (a checkpoint's state.pt) continues from one exactly where it was taken."""
@@ -96,6 +99,8 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                     clipped += mc.clip_gradients(model, optimizer, config.clip_grad_norm) > config.clip_grad_norm
                 lrs.append(optimizer.param_groups[0]["lr"])
                 optimizer.step()
+                if held is not None and not held:  # gradients and optimizer state all exist now
+                    held.update(shard_bytes(model, optimizer))
                 optimizer.zero_grad(set_to_none=True)
                 if per_step:
                     scheduler.step()

@@ -35,3 +35,58 @@ def card_used_mb(cards: list[int]) -> list[float]:
         return [round(torch.cuda.device_memory_used(card) / MB, 1) for card in cards]
     except Exception:  # ModuleNotFoundError, NVMLError, RuntimeError, ...: all mean "not available here"
         return []
+
+
+def shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this process holds of the model's parameters, of their gradients and of the optimizer's state:
+    {"params": ..., "grads": ..., "optimizer": ...}. Of a DTensor (fsdp's sharded parameters, their gradients and
+    the optimizer's moments) only the local shard counts. Every byte of a storage counts once in each entry: a
+    parameter shared between modules (tied weights), and views of one storage that overlap, are not counted
+    twice; a storage's bytes that no tensor looks at (padding) are not counted. Computed from the tensors'
+    shapes, so exact on any device (CPU, card, meta) and not disturbed by the allocator or other processes."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [] if optimizer is None else [t for s in optimizer.state.values() for t in _tensors(s)]
+    return {"params": _held(params), "grads": _held(grads), "optimizer": _held(state)}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an optimizer's per-parameter state (a dict, possibly of lists or dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _held(tensors: list[torch.Tensor]) -> int:
+    """Bytes covered by these tensors (DTensors: their local shard), each byte of each storage once."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without torch.distributed: there are no DTensors then
+        DTensor = ()
+
+    spans: dict[object, list[tuple[int, int]]] = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if t.numel() == 0:
+            continue
+        size = t.element_size()
+        start = t.storage_offset() * size
+        if t.is_contiguous():
+            end = start + t.numel() * size
+        else:  # from its first element to past its last one
+            end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size
+        # the storage's address on its device; meta tensors have none (each its own, shared ones are one object)
+        key = id(t) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
+        spans.setdefault(key, []).append((start, end))
+    total = 0
+    for ranges in spans.values():  # the union of each storage's byte ranges
+        reach = -1
+        for start, end in sorted(ranges):
+            total += max(0, end - max(start, reach))
+            reach = max(reach, end)
+    return total

@@ -27,6 +27,7 @@ from .devices import select
 from .errors import UsageError
 from .front import Multicard, launch
 from .strategies import Strategy
+from .strategies.fsdp import full
 
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding
 NUDGE = 1e-7  # float32 rounding's size: the start of the reference run that measures the model's own sensitivity
@@ -98,11 +99,12 @@ def sgd_steps(mc: Multicard, model: nn.Module, dataset: ImageData, config: Train
             if config.clip_grad_norm:
                 mc.clip_gradients(model, optimizer, config.clip_grad_norm)
             if grads is None:
-                grads = {k: p.grad.detach().cpu().clone() for k, p in mc.unwrap(model).named_parameters()}
+                # fsdp: each process holds a shard of each gradient; made whole here (every rank takes part)
+                grads = {k: full(p.grad).detach().cpu().clone() for k, p in mc.unwrap(model).named_parameters()}
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     loss_sum, samples = mc.all_reduce(total).tolist()
-    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    weights = mc.state_dict(model)  # whole (fsdp: gathered onto rank 0, whose result is the one used)
     return Side(grads, weights, loss_sum / samples)
 
 
@@ -135,10 +137,10 @@ def likely_causes(result: Parity, model: nn.Module, config: TrainConfig) -> list
             cause += f": they look summed over the {result.processes} processes instead of averaged"
         causes.append(cause)
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        if result.strategy == "ddp" and not config.sync_bn:
+        if result.strategy in ("ddp", "fsdp") and not config.sync_bn:
             causes.append("BatchNorm computes its statistics per process; add --sync-bn (sync_batchnorm=True) "
                           "to compute them over the whole batch")
-        elif result.strategy != "ddp":
+        elif result.strategy not in ("ddp", "fsdp"):
             causes.append(f"BatchNorm computes its statistics per card under {result.strategy}")
     if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         causes.append("dropout draws its masks from each rank's own RNG, so masks differ per rank")
@@ -155,7 +157,7 @@ def runnable(config: TrainConfig) -> tuple[list[str], str]:
         raise UsageError(f"--devices {config.devices}: parity needs 2 or more devices, e.g. cpu:2 or 0,1")
     if config.strategy != "auto":
         return [config.strategy], devices
-    return (["ddp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp"]), devices
+    return (["ddp", "fsdp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp", "fsdp"]), devices
 
 
 def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,

@@ -11,7 +11,6 @@ import shutil
 import time
 from pathlib import Path
 
-from torch import nn
 from tqdm import tqdm
 
 from . import checkpoint
@@ -139,8 +138,8 @@ class Report:
             say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
                 f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s")
 
-    def finish(self, summary: dict, model: nn.Module) -> None:
-        checkpoint.save(model, self.run / "model.pt")
+    def finish(self, summary: dict, model_state: dict) -> None:
+        checkpoint.write_atomic(model_state, self.run / "model.pt")
         (self.run / "summary.json").write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
         acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
             if "test_accuracy" in summary else ""

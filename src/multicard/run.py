@@ -24,6 +24,7 @@ from .errors import UsageError
 from .front import Multicard
 from .launcher import RankFailed, said
 from .loop import accuracy, fit
+from .memory import MB
 from .recipe import make_optimizer, make_scheduler
 from .report import FILES, Output, Report, say
 from .resume import describe, resolve
@@ -59,6 +60,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
             raise UsageError(f"the {name} set is empty: nothing to {'train on' if name == 'training' else 'test'}")
     mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
+                   fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
@@ -125,6 +127,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     torch.manual_seed(config.seed + mc.rank)  # per rank: augmentation and dropout differ
     cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
+    name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own
     model = mc.setup(model)
     optimizer = mc.setup_optimizers(make_optimizer(list(model.parameters()), config, given_optimizer))
     loss_fn = mc.setup_criterion(criterion)
@@ -142,16 +145,20 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     if mc.is_main:
         note = f" ({mc.device_note})" if mc.device_note else ""
         micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
-        say(f"training {type(mc.unwrap(model)).__name__} on {len(train_data)} samples: strategy {mc.strategy}, "
+        say(f"training {name} on {len(train_data)} samples: strategy {mc.strategy}, "
             f"{mc.world_size} process(es) on {mc.device.type}, global batch {config.batch_size}{micro} "
             f"({train_loader.local_batch_size} per process{' per micro-batch' if micro else ''}){note}")
     per_step = given_scheduler is None or every == "step"
+    held: dict[str, int] = {}
     history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
-                  report.epoch, resume)
+                  report.epoch, resume, held)
     summary = summarize(mc, model, history, config, train_loader.local_batch_size, time.perf_counter() - begin)
-    summary.update(restarts=restarts, resumed_from=str(resume) if resume else None)
+    # what this process held at the first step: under fsdp its shards, elsewhere the whole model
+    summary.update(model=name, restarts=restarts, resumed_from=str(resume) if resume else None,
+                   shard_mb=mc.gather({k: round(v / MB, 2) for k, v in held.items()}))
+    final = mc.state_dict(model)  # under fsdp, gathered from every process's shards onto rank 0
     if mc.is_main:
-        report.finish(summary, model)
+        report.finish(summary, final)
     mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
     return summary
 

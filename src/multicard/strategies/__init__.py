@@ -9,9 +9,11 @@ from .balanced import Balanced
 from .base import Strategy
 from .ddp import DDP
 from .dp import DP
+from .fsdp import FSDP
 from .single import Single
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "dp": DP, "dp-balanced": Balanced}
+STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "dp": DP, "dp-balanced": Balanced,
+                                         "fsdp": FSDP}
 
 
 def choose(name: str, devices: Devices, job: Job) -> str:
@@ -20,9 +22,9 @@ def choose(name: str, devices: Devices, job: Job) -> str:
         return "ddp" if job.world > 1 or devices.count > 1 else "single"
     if name not in STRATEGIES:
         raise UsageError(f"--strategy {name}: unknown; choose auto or one of {', '.join(STRATEGIES)}")
-    if name != "ddp" and job.world > 1:
+    if name not in ("ddp", "fsdp") and job.world > 1:
         raise UsageError(f"--strategy {name} runs in one process, but {job.launcher} started {job.world}; "
-                         f"use --strategy ddp")
+                         f"use --strategy ddp or fsdp")
     if name in ("dp", "dp-balanced") and devices.kind != "cuda":
         where = "this machine has none" if devices.note else "--devices chose the CPU"
         raise UsageError(f"--strategy {name} needs CUDA cards, but {where}: use --strategy single, "
