@@ -15,8 +15,9 @@ from torch import nn
 from ..errors import UsageError
 from .lenet import LeNet5
 from .resnet import ResNet8
+from .wide_mlp import WideMLP
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"lenet5": LeNet5, "resnet8": ResNet8}
+MODELS: dict[str, Callable[[], nn.Module]] = {"lenet5": LeNet5, "resnet8": ResNet8, "wide-mlp": WideMLP}
 
 
 def register(name: str):
@@ -70,4 +71,4 @@ def find(spec: str) -> Callable[[], nn.Module]:
     return getattr(module, attr)
 
 
-__all__ = ["MODELS", "LeNet5", "ResNet8", "build", "register"]
+__all__ = ["MODELS", "LeNet5", "ResNet8", "WideMLP", "build", "register"]
