@@ -1,0 +1,134 @@
+"""fsdp on the CPU: FSDP2 with gloo and an explicit CPU device mesh, the same fully_shard code NCCL runs on cards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import multicard
+from conftest import cuda, tiny_images
+from multicard.config import TrainConfig
+from multicard.errors import UsageError
+from multicard.models import LeNet5, WideMLP
+from multicard.parity import check
+from multicard.strategies.fsdp import units
+
+PLAIN = dict(quiet=True, augment=False, lr=3e-3, batch_size=24, epochs=2)  # 96 samples: 4 steps per epoch
+
+
+def fsdp_run(out, devices: str, **overrides) -> dict:
+    torch.manual_seed(0)
+    return multicard.train(LeNet5(), tiny_images(96), tiny_images(50, 1), out=str(out), strategy="fsdp",
+                           devices=devices, **{**PLAIN, **overrides})
+
+
+def accuracy_alone(path) -> float:
+    """model.pt into a fresh, plain model (weights_only), evaluated on the whole test set in this process."""
+    model = LeNet5()
+    model.load_state_dict(torch.load(path, weights_only=True))
+    x, y = tiny_images(50, 1)[list(range(50))]
+    with torch.no_grad():
+        return (model.eval()(x).argmax(1) == y).double().mean().item()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    return fsdp_run(out, "cpu:2", save_every_steps=3, keep_checkpoints=0), out
+
+
+def test_fsdp_trains_and_writes_a_whole_plain_model(two):
+    summary, out = two
+    assert summary["strategy"] == "fsdp" and summary["world_size"] == 2 and summary["model"] == "LeNet5"
+    assert summary["test_samples"] == 50
+    assert summary["test_accuracy"] == pytest.approx(accuracy_alone(out / "model.pt"), abs=1e-9)
+    assert summary["test_accuracy"] > 0.5
+
+
+def test_each_process_holds_about_half(two):
+    summary, _ = two
+    whole = sum(p.numel() * 4 for p in LeNet5().parameters()) / 2**20
+    for held in summary["shard_mb"]:
+        assert held["params"] == pytest.approx(whole / 2, rel=0.05)
+        assert held["grads"] == pytest.approx(held["params"], rel=0.05)
+        assert held["optimizer"] == pytest.approx(2 * held["params"], rel=0.05)  # Adam: two moments
+
+
+def test_checkpoints_hold_shards_and_resume_on_three_processes(two, tmp_path):
+    """torch.distributed.checkpoint reshards 2 -> 3; the data order goes on; evaluation on 3 stays exact."""
+    summary, out = two
+    step = out / "checkpoints" / "step-00000003"
+    assert list(step.glob("state.shards-*/.metadata")) and (step / "state.rank1.pt").is_file()
+    resumed = fsdp_run(tmp_path, "cpu:3", resume=str(step), batch_size=24)
+    assert resumed["world_size"] == 3 and resumed["test_samples"] == 50
+    a, b = torch.load(out / "model.pt", weights_only=True), torch.load(tmp_path / "model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert resumed["test_accuracy"] == pytest.approx(accuracy_alone(tmp_path / "model.pt"), abs=1e-9)
+
+
+def test_a_sharded_checkpoint_under_another_strategy_is_one_line(two):
+    _, out = two
+    mc = multicard.Multicard("single", "cpu")
+    with pytest.raises(UsageError, match="written under fsdp"):
+        mc.load(out / "checkpoints" / "step-00000003" / "state.pt", {"model": mc.setup(LeNet5())})
+
+
+def test_parity_with_clipping_and_accumulation():
+    """First-step gradients (after clipping to the global norm) and final weights as on one process."""
+    config = TrainConfig(devices="cpu:2", strategy="fsdp", augment=False, batch_size=16, accumulate=2,
+                         clip_grad_norm=0.05, data="synthetic", synthetic_samples=160)
+    (result,) = check(config, steps=5)
+    assert result.strategy == "fsdp" and result.ok, result.lines()
+    assert result.grad_diff < 1e-6
+
+
+@pytest.mark.slow
+def test_parity_on_three_processes():
+    config = TrainConfig(devices="cpu:3", strategy="fsdp", augment=False, batch_size=48, data="synthetic",
+                         synthetic_samples=480)
+    (result,) = check(config, steps=10)
+    assert result.processes == 3 and result.ok, result.lines()
+
+
+def test_the_default_rule_shards_repeated_blocks_innermost_first():
+    model = WideMLP(width=16, depth=3)
+    assert units(model) == list(model.blocks)
+    lenet = LeNet5()
+    convs = [m for m in lenet.features if isinstance(m, nn.Conv2d)]
+    linears = [m for m in lenet.classifier if isinstance(m, nn.Linear)]
+    assert set(units(lenet)) == set(convs + linears)
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2),
+                                                                                         nn.Linear(2, 2)))
+    assert units(nested) == list(nested)  # the outer repeated blocks; what is inside them stays inside
+
+
+def test_blocks_by_name_and_a_name_not_found():
+    model = WideMLP(width=16, depth=2)
+    assert units(model, "Block,LayerNorm")[:2] == [model.blocks[0].norm, model.blocks[1].norm]  # inner first
+    with pytest.raises(UsageError, match=r"--fsdp-blocks Nope: no module of that class in WideMLP \(its classes"):
+        units(model, "Nope")
+
+
+def test_what_fsdp_refuses():
+    with pytest.raises(UsageError, match="fsdp takes precision bf16"):
+        multicard.Multicard("fsdp", "cpu", "fp16")
+    with multicard.Multicard("fsdp", "cpu") as mc:
+        model = LeNet5()
+        with pytest.raises(UsageError, match="build the optimizer after model = mc.setup"):
+            mc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_one_process_fsdp_bf16_trains(tmp_path):
+    summary = fsdp_run(tmp_path, "cpu", precision="bf16", epochs=1)
+    assert summary["world_size"] == 1 and summary["config"]["precision"] == "bf16"
+    assert json.loads((tmp_path / "summary.json").read_text())["test_samples"] == 50
+
+
+@cuda
+def test_fsdp_on_a_card_in_bf16(tmp_path):
+    summary = fsdp_run(tmp_path, "cuda:0", precision="bf16", epochs=1)
+    assert summary["strategy"] == "fsdp" and summary["devices"][0].startswith("cuda:0")
+    assert summary["test_accuracy"] == pytest.approx(accuracy_alone(tmp_path / "model.pt"), abs=0.05)
