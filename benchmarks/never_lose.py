@@ -4,7 +4,8 @@ Part 1, restarts: a 2-process ddp job (LeNet5, synthetic data, augmentation on, 
 --max-restarts 1). One unkilled reference run; then --runs runs, each with one worker (one of the launcher's two
 spawned children, picked at random: which pid is which rank is not known from outside) SIGKILLed at a point
 drawn uniformly over the run's progress, from its first checkpoint to one checkpoint interval past its last
-(the final evaluation and model.pt), found by watching its checkpoints appear (see killed_run). Target:
+(the start of the final evaluation; the rest of the run's ~2.5 s tail, model.pt and the exit, is not sampled),
+found by watching its checkpoints appear (see killed_run). Target:
 every run finishes, and its model.pt equals the reference's bit for bit. A kill that lands after the job has
 already ended (no restart happened) is counted apart from those that caused a restart.
 
@@ -16,8 +17,11 @@ at a random instant after that attempt's first new checkpoint appears. After eve
 it, describe() passes it, torch.load(weights_only=True) reads it and its "model" loads into a fresh LeNet5; every
 10th kill, and every kill whose newest checkpoint was taken after an epoch's last step, a copy of --out is
 actually resumed by `multicard train --resume auto` to the end of its epoch. How many kills found a step-*.part
-folder (the kill landed during a write) is counted: that share is the point. Part 2's processes run on one thread
-(OMP_NUM_THREADS=1) with augmentation off, so that steps are short and writes a large share of the time.
+folder (the kill landed during a write) is counted: that share is the point. Besides what --resume checks, each
+newest checkpoint is checked for being sound (finite weights and optimizer state, a place within the epoch). An
+attempt that fails by itself (its error printed before the kill) ends the chain: the next kill starts a fresh
+--out. Part 2's processes run on one thread (OMP_NUM_THREADS=1) with augmentation off, so that steps are short
+and writes a large share of the time.
 
 Run with the multicard under test on PYTHONPATH (the spawned processes inherit it):
 
@@ -66,11 +70,12 @@ DDP_STEPS = DDP_STEPS_PER_EPOCH * 4
 # load, a LeNet step takes 5-10x longer: writes were ~5% of the time, against ~35% here.) 50 epochs of 256 steps
 # are far more than the chained attempts get through, so no attempt ends on its own.
 WRITE_BATCH = 16
-WRITE_ARGS = ["--devices", "cpu", "--model", "lenet5", "--data", "synthetic", "--synthetic-samples", "4096",
+WRITE_SAMPLES = 4096
+WRITE_ARGS = ["--devices", "cpu", "--model", "lenet5", "--data", "synthetic", "--synthetic-samples", str(WRITE_SAMPLES),
               "--no-augment", "--batch-size", str(WRITE_BATCH), "--save-every-steps", "1", "--keep-checkpoints",
               "2", "--quiet"]
 WRITE_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-WRITE_EPOCHS, WRITE_STEPS_PER_EPOCH = 50, 4096 // WRITE_BATCH
+WRITE_EPOCHS, WRITE_STEPS_PER_EPOCH = 50, WRITE_SAMPLES // WRITE_BATCH
 KILL_WINDOW_S = 1.0  # part 2: a kill comes 0..this long after the attempt's first new checkpoint (~10 steps)
 POLL_S = 0.01
 
@@ -236,8 +241,18 @@ def accepts(out: Path) -> dict:
         missing = [k for k in ("optimizer", "scheduler", "loader", "history", "steps") if k not in raw]
         if missing:
             return {"accepted": False, "why": f"{path} lacks {missing}"}
+        # accepted is what --resume checks; sound is what it does not: every weight and optimizer moment a
+        # number, and a place in the data within the epoch (an attempt resumed from an epoch's end writes one
+        # step past it, 4112 samples into an epoch of 4096, and then fails)
+        tensors = [*raw["model"].values(), *(v for state in raw["optimizer"]["state"].values()
+                                             for v in state.values() if isinstance(v, torch.Tensor))]
+        finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+        samples = raw["loader"]["samples"]
         return {"accepted": True, "checkpoint": path.parent.name, "steps": raw["steps"],
-                "epoch": raw["loader"]["epoch"], "describe": where}
+                "epoch": raw["loader"]["epoch"], "samples": samples, "describe": where, "finite": finite,
+                "sound": finite and 0 <= samples <= WRITE_SAMPLES,
+                # the place after an epoch's last step: all of its samples served
+                "epoch_end": samples == WRITE_SAMPLES}
     except Exception as e:  # UsageError from describe, anything from torch.load / load_state_dict
         return {"accepted": False, "why": f"{type(e).__name__}: {e}"}
 
@@ -294,19 +309,25 @@ def write_kills(work: Path, kills: int, rng: random.Random) -> list[dict]:
                "checkpoints_after": [n for _, n in after], "part_folders": parts,
                "part_contents": {n: sorted(p.name for p in (out / "checkpoints" / n).iterdir()) for n in parts},
                "mid_write": bool(parts), **accepts(out)}
-        if ended_first is not None:  # it ended on its own (or failed): say so, and start a fresh chain
+        # an attempt that failed by itself (its error printed, maybe still exiting when the kill came)
+        row["attempt_failed"] = ended_first is not None or "multicard: error" in log.read_text(errors="replace")
+        if row["attempt_failed"]:
             row["output_tail"] = tail(log)
-        # the place after an epoch's last step: all of its samples served (what part 1's failures resumed from)
-        row["epoch_end"] = row["accepted"] and row["steps"] % WRITE_STEPS_PER_EPOCH == 0
-        if row["accepted"] and ((k + 1) % 10 == 0 or row["epoch_end"]):
+        if row["accepted"] and ((k + 1) % 10 == 0 or row["epoch_end"] or not row["sound"]):
             row["resume_run"] = resume_to_end(work, out, k, row)
         rows.append(row)
         print(f"  kill {k + 1:2d}/{kills}: {delay:.2f} s after step-{newest_before + 1}  "
               f"{'mid-write ' + ','.join(parts) if parts else 'between writes':36s} "
               f"{'accepted ' + row['checkpoint'] if row['accepted'] else 'REFUSED: ' + row['why']}"
+              + ("" if not row["accepted"] or row["sound"] else " (UNSOUND: " + ", ".join(
+                  w for w, bad in (("non-finite weights", not row["finite"]),
+                                   (f"{row['samples']} samples in", row["samples"] > WRITE_SAMPLES)) if bad) + ")")
+              + ("  (an epoch's end)" if row.get("epoch_end") else "")
+              + ("  attempt failed by itself: " + row["output_tail"].splitlines()[-1] if row["attempt_failed"]
+                 else "")
               + (f"  resume run {'ok' if row['resume_run']['ok'] else 'FAILED'}" if "resume_run" in row else ""),
               flush=True)
-        if ended_first is not None:
+        if row["attempt_failed"]:  # what it left is no run to go on with (shown once): start a fresh one
             shutil.rmtree(out, ignore_errors=True)
             chain += 1
     return rows
@@ -370,6 +391,10 @@ def main() -> None:
               "restarts_from_elsewhere_finished": sum(r["restarts"] == 1 and not r["resumed_from_an_epoch_end"]
                                                       for r in runs),
               "kills_leaving_an_epoch_end_checkpoint": sum(r.get("epoch_end", False) for r in kills),
+              "accepted_and_sound": sum(r["accepted"] and r["sound"] for r in kills),
+              "accepted_and_sound_not_epoch_end": sum(r["accepted"] and r["sound"] and not r["epoch_end"]
+                                                      for r in kills),
+              "attempts_that_failed_by_themselves": sum(r["attempt_failed"] for r in kills),
               "epoch_end_resume_runs_ok": sum(r["resume_run"]["ok"] for r in kills
                                               if r.get("epoch_end") and "resume_run" in r)}
 
@@ -381,6 +406,10 @@ def main() -> None:
           f"{accepted}/{len(kills)} |")
     print(f"| of those kills, landed mid-write (a step-*.part was there) | {mid}/{len(kills)} "
           f"({mid / max(len(kills), 1):.0%}); accepted {mid_ok}/{mid} |")
+    print(f"| kills whose accepted checkpoint is also sound (finite weights and Adam state, place in the epoch) | "
+          f"{counts['accepted_and_sound']}/{len(kills)} |")
+    print(f"| attempts that failed by themselves before their kill (fresh chain after each) | "
+          f"{counts['attempts_that_failed_by_themselves']} |")
     print(f"| copies actually resumed by multicard train --resume auto to their epoch's end | "
           f"{counts['resume_runs_ok']}/{len(resumed)} |")
     print(f"| restarts from a checkpoint taken after an epoch's last step that finished | "

@@ -62,7 +62,7 @@ def test_checkpoints_are_whole_folders_named_by_step(single):
     assert not any(k.startswith("module.") for k in state["model"])
 
 
-@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+@pytest.mark.parametrize("step", [4, 6, 12], ids=["epoch-boundary", "mid-epoch", "after-the-last-step"])
 def test_a_resumed_single_run_ends_bit_identical(single, tmp_path, step):
     lenet_run(tmp_path, strategy="single", devices="cpu", resume=str(single / "checkpoints" / f"step-{step:08d}"))
     assert identical(single, tmp_path)

@@ -67,10 +67,13 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     bar = tqdm(total=config.epochs * len(train_loader), unit="step", dynamic_ncols=True,
                disable=config.quiet or not mc.is_main or not sys.stderr.isatty())
 
+    saved = [-1]  # the step of the newest checkpoint: one step is written once
+
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
                     "config": asdict(config)}
         resume_module.write(mc, config.out, steps, {**objects, **progress}, config.keep_checkpoints)
+        saved[0] = steps
 
     for epoch in range(train_loader.epoch, config.epochs):
         model.train()
@@ -123,8 +126,8 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
         history.append(record)
         if on_epoch is not None:
             on_epoch(history)
-        if config.save_every and (epoch + 1) % config.save_every == 0:
-            save(None)
+        if config.save_every and (epoch + 1) % config.save_every == 0 and saved[0] != steps:
+            save(None)  # (a checkpoint after the epoch's last step resumes to this same point)
     bar.close()
     return history
 

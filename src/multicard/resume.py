@@ -38,11 +38,19 @@ def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) ->
     mc.save(part / "state.pt", state)
     mc.barrier()  # every rank's part is on disk
     if mc.is_main:
-        if final.exists():  # the same step written again (at an epoch's end, after its last step)
-            shutil.rmtree(final)
+        if final.exists():  # written by an earlier attempt that went past this step: replaced whole
+            drop(final)
         os.replace(part, final)
         for old in whole(out)[:-keep] if keep else []:
-            shutil.rmtree(old, ignore_errors=True)
+            drop(old)
+
+
+def drop(checkpoint: Path) -> None:
+    """Out of the list of whole checkpoints at once (one rename), then deleted: a kill half-way through the
+    deletion leaves no checkpoint that looks whole and is not."""
+    gone = checkpoint.with_name(f"{checkpoint.name}.dropped.part")
+    os.replace(checkpoint, gone)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def resolve(spec: str, out: str | Path) -> Path | None:

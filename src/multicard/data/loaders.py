@@ -105,7 +105,10 @@ class InMemory:
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self):
-        for chunk in self.sampler.order().to(self.device).split(self.batch_size):
+        order = self.sampler.order()
+        if not len(order):  # nothing left of a resumed epoch (split would still give one empty chunk)
+            return
+        for chunk in order.to(self.device).split(self.batch_size):
             yield self.dataset[chunk]
 
 
