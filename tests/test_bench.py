@@ -1,5 +1,6 @@
-"""multicard bench: a real sweep on the CPU with tiny data (its JSON, table, markdown and plot), the derived
-numbers, and bad sweep arguments answered with one line and exit code 2."""
+"""multicard bench: a real sweep on the CPU with tiny data (its JSON, table, markdown and plot), an fsdp sweep
+and what each process held there, the derived numbers, and bad sweep arguments answered with one line and exit
+code 2."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ TINY = ("--samples", "128", "--batch-size", "32", "--repeats", "1", "--strategie
         "--fast-batch", "64")
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # the CPU sweep also where the machine has a card
 CELL_KEYS = {"strategy", "devices", "world_size", "samples_per_s", "ms_per_step", "scaling_efficiency",
-             "peak_memory_mb", "imbalance", "loss", "loss_parity", "speedup_vs_baseline"}
+             "peak_memory_mb", "imbalance", "loss", "loss_parity", "speedup_vs_baseline", "shard_mb", "held_vs_whole"}
+LENET5_MB = 61_706 * 4 / 2**20  # LeNet-5's parameters in fp32
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,11 @@ def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
         assert len(cell["peak_memory_mb"]) == cell["world_size"] and min(cell["peak_memory_mb"]) > 50
         assert cell["imbalance"] >= 1
         assert cell["speedup_vs_baseline"] == pytest.approx(cell["samples_per_s"] / report["baseline"]["samples_per_s"])
+        assert len(cell["shard_mb"]) == cell["world_size"]  # every process holds the whole model and Adam's state
+        for shard in cell["shard_mb"]:
+            assert shard["params"] == shard["grads"] == pytest.approx(LENET5_MB, abs=0.005)
+            assert shard["optimizer"] == pytest.approx(2 * LENET5_MB, abs=0.005)
+        assert cell["held_vs_whole"] == 1
     single, ddp1, ddp2 = cells
     assert single["scaling_efficiency"] == ddp1["scaling_efficiency"] == 1
     assert ddp2["scaling_efficiency"] == pytest.approx(ddp2["samples_per_s"] / (2 * ddp1["samples_per_s"]))
@@ -62,12 +69,36 @@ def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
 def test_sweep_prints_the_table_and_writes_markdown_and_plot(swept):
     out, stdout = swept
     assert "samples/s" in stdout and "ddp" in stdout and "seed loop" in stdout and "bench.png" in stdout
+    assert "held MB params" in stdout and "held vs whole" in stdout
     md = (out / "bench.md").read_text()
     assert md.startswith("- hardware:") and "command:" in md and "date:" in md
     assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 5  # header, seed loop, 3 cells, fast
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     assert (out / "cells" / "ddp-2" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_cells_hold_a_share_of_the_model_each(tmp_path):
+    out = tmp_path / "bench"
+    result = run_cli("bench", "--out", str(out), "--strategies", "fsdp", "--devices", "1,2", "--samples", "64",
+                     "--batch-size", "32", "--repeats", "1", "--no-baseline", "--no-fast",
+                     env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    one, two = report["cells"]
+    assert (one["strategy"], one["world_size"], two["strategy"], two["world_size"]) == ("fsdp", 1, "fsdp", 2)
+    assert one["shard_mb"] == [{"params": round(LENET5_MB, 2), "grads": round(LENET5_MB, 2),
+                                "optimizer": round(2 * LENET5_MB, 2)}] and one["held_vs_whole"] == 1
+    assert len(two["shard_mb"]) == 2 and len(two["peak_memory_mb"]) == 2
+    for shard in two["shard_mb"]:  # each process its half (to the 0.01 MB the summary rounds to)
+        assert shard["params"] == shard["grads"] == pytest.approx(LENET5_MB / 2, abs=0.01)
+        assert shard["optimizer"] == pytest.approx(LENET5_MB, abs=0.01)
+    assert 0.45 < two["held_vs_whole"] < 0.55
+    assert two["loss_parity"] is None  # no single x1 cell in this sweep
+    fsdp2 = next(line for line in result.stdout.splitlines() if line.startswith("fsdp") and " 2 " in line)
+    assert "0.12 / 0.12" in fsdp2 and "0.24 / 0.24" in fsdp2 and f"{two['held_vs_whole']:.0%}" in fsdp2
+    assert "| fsdp | 2 |" in (out / "bench.md").read_text()
 
 
 def args(**given) -> argparse.Namespace:
@@ -78,17 +109,19 @@ def args(**given) -> argparse.Namespace:
 
 def test_plan_defaults_for_cpu_and_cards():
     cpu = args()
-    assert bench.plan(cpu, cards=0, cores=8) == [("single", 1), ("ddp", 1), ("ddp", 2)]  # 1..min(2, cores)
+    assert bench.plan(cpu, cards=0, cores=8) == [("single", 1), ("ddp", 1), ("ddp", 2), ("fsdp", 1),
+                                                  ("fsdp", 2)]  # 1..min(2, cores)
     assert (cpu.batch_size, cpu.fast_batch, cpu.samples) == (64, 256, 4096)
     cards = args(model="resnet8")
     assert bench.plan(cards, cards=2, cores=8) == [("single", 1), ("dp", 1), ("dp", 2), ("dp-balanced", 1),
-                                                    ("dp-balanced", 2), ("ddp", 1), ("ddp", 2)]
+                                                    ("dp-balanced", 2), ("ddp", 1), ("ddp", 2), ("fsdp", 1),
+                                                    ("fsdp", 2)]
     assert (cards.batch_size, cards.fast_batch, cards.samples) == (512, 16384, 65536)
     assert bench.device_spec(2, cards=0) == "cpu:2" and bench.device_spec(2, cards=4) == "2"
 
 
 @pytest.mark.parametrize("given, cards, message", [
-    ({"strategies": "single,fsdp"}, 0, "unknown strategy 'fsdp'"),
+    ({"strategies": "single,zero"}, 0, "unknown strategy 'zero'"),
     ({"strategies": "dp"}, 0, "dp needs CUDA cards"),
     ({"devices": "1,4"}, 2, "asks for 4 devices, this machine has 2 cards"),
     ({"devices": "3"}, 0, "this machine has 2 CPU cores"),
@@ -117,7 +150,16 @@ def test_derived_numbers():
 
     results = {"cells": [cell("single", 1, 100, 2.0), cell("ddp", 1, 90, 2.0), cell("ddp", 2, 150, 2.2)],
                "baseline": cell("seed loop", 1, 50, 1.0), "fast": cell("single fast", 1, 400, 1.5)}
+    whole = {"params": 4.0, "grads": 4.0, "optimizer": 8.0}
+    for c in results["cells"]:
+        c["world_size"] = c["devices"]
+        c["shard_mb"] = [whole] * c["devices"]
+    results["cells"].append({**cell("fsdp", 2, 140, 2.2), "world_size": 2,
+                             "shard_mb": [{"params": 2.0, "grads": 2.0, "optimizer": 4.0},
+                                          {"params": 2.5, "grads": 2.5, "optimizer": 5.0}]})
     derive(results)
+    assert [c["held_vs_whole"] for c in results["cells"]] == [1, 1, 1, 0.625]  # the fuller process: 10 of 16
+    assert results["baseline"]["held_vs_whole"] is None  # not measured (a bench.json from before the column)
     ddp2 = results["cells"][2]
     assert ddp2["scaling_efficiency"] == pytest.approx(150 / 180) and ddp2["loss_parity"] == pytest.approx(0.1)
     assert ddp2["speedup_vs_baseline"] == 3 and results["fast"]["speedup_vs_baseline"] == 8

@@ -1,7 +1,9 @@
 """multicard bench: the strategies side by side on synthetic data, against the seeds' plain loop, in one run.
 
 Every cell (a strategy on N devices, the seeds' loop, the fast path) runs in a fresh process, so that one cell's
-memory never shows in another's (on the CPU, peak memory is a process's peak RSS). Each trains 1 warm-up epoch
+memory never shows in another's (on the CPU, peak memory is a process's peak RSS). Beside the peak, each cell
+reports what each process held of the parameters, their gradients and the optimizer state (memory.shard_bytes,
+at the first optimizer step): the whole model under ddp, 1/N of it under fsdp. Each trains 1 warm-up epoch
 plus --repeats timed epochs, with the clock read after synchronizing the cards; the median epoch is reported.
 The report (table, bench.json, bench.md, bench.png) is written by bench_report.py.
 
@@ -21,11 +23,13 @@ from pathlib import Path
 from .errors import UsageError
 
 SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
-ON_CARDS = ("single", "dp", "dp-balanced", "ddp")
-ON_CPU = ("single", "ddp")
+ON_CARDS = ("single", "dp", "dp-balanced", "ddp", "fsdp")
+ON_CPU = ("single", "ddp", "fsdp")
 # synthetic samples per epoch: on the CPU about half a second of work per epoch on 2 quiet cores, so the default
 # sweep stays well under 2 minutes on a shared machine; on cards sized for about a second on one H100 (a guess)
-SAMPLES = {("lenet5", "cpu"): 4096, ("resnet8", "cpu"): 512, ("lenet5", "cuda"): 262144, ("resnet8", "cuda"): 65536}
+# wide-mlp (104M parameters): about a second per step of 64 on the CPU, so 4 steps an epoch there
+SAMPLES = {("lenet5", "cpu"): 4096, ("resnet8", "cpu"): 512, ("wide-mlp", "cpu"): 256,
+           ("lenet5", "cuda"): 262144, ("resnet8", "cuda"): 65536}
 OTHER_SAMPLES = {"cpu": 1024, "cuda": 65536}
 BATCH = {"cpu": 64, "cuda": 512}  # global batch of the strategy cells: on cards 64 would leave them idle
 FAST_BATCH = {"cpu": 256, "cuda": 16384}  # fast path: data held on the device; on 2 CPU cores 256 beat 1024
@@ -34,14 +38,15 @@ FAST_BATCH = {"cpu": 256, "cuda": 16384}  # fast path: data held on the device; 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench", help="folder for bench.json, bench.md, bench.png and cells/ "
                    "(default: runs/bench)")
-    p.add_argument("--model", default="lenet5", help="model from the registry, e.g. lenet5 or resnet8 "
-                   "(default: lenet5); data is synthetic, shaped as the model's input_shape")
-    p.add_argument("--strategies", help="comma list (default: what this machine can run: single,ddp on the CPU; "
-                   "single,dp,dp-balanced,ddp with cards)")
+    p.add_argument("--model", default="lenet5", help="model from the registry, e.g. lenet5, resnet8 or "
+                   "wide-mlp (default: lenet5); data is synthetic, shaped as the model's input_shape")
+    p.add_argument("--strategies", help="comma list (default: what this machine can run: "
+                   "single,ddp,fsdp on the CPU; single,dp,dp-balanced,ddp,fsdp with cards)")
     p.add_argument("--devices", help="comma list of device counts (default: 1..cards; on the CPU 1..min(2, cores) "
                    "processes)")
     p.add_argument("--samples", type=int, help="synthetic training samples per epoch (default: lenet5 4096 on "
-                   "the CPU, 262144 on cards; resnet8 512 / 65536; other models 1024 / 65536)")
+                   "the CPU, 262144 on cards; resnet8 512 / 65536; wide-mlp 256 on the CPU; other models 1024 / "
+                   "65536)")
     p.add_argument("--batch-size", type=int, help="global batch of the strategy cells (default: 64 on the CPU, "
                    "512 on cards; the seeds' loop always uses 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs after one warm-up epoch; the median is "
@@ -160,7 +165,7 @@ def run_cell(spec: dict) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rates": [r["samples_per_s"] for r in rows[1:]], "loss": rows[-1]["train_loss"],
             "peak_memory_mb": summary["peak_memory_mb"], "card_used_mb": summary["card_used_mb"],
-            "world_size": summary["world_size"],
+            "shard_mb": summary["shard_mb"], "world_size": summary["world_size"],
             "device_names": summary["devices"]}
 
 
@@ -182,7 +187,7 @@ def run_seed_loop(spec: dict) -> dict:
     model = model.to(device)
     optimizer, criterion = torch.optim.Adam(model.parameters(), lr=SEED_LR), nn.CrossEntropyLoss()
     memory.reset(cards)
-    rates, loss = [], float("nan")
+    rates, loss, held = [], float("nan"), None
     for _ in range(1 + spec["repeats"]):
         total, seen = 0.0, 0
         if cards:
@@ -194,6 +199,8 @@ def run_seed_loop(spec: dict) -> dict:
             step_loss = criterion(model(inputs), targets)
             step_loss.backward()
             optimizer.step()
+            if held is None:  # as multicard measures it: at the first optimizer step, gradients still there
+                held = {k: round(v / memory.MB, 2) for k, v in memory.shard_bytes(model, optimizer).items()}
             total, seen = total + step_loss.item() * len(targets), seen + len(targets)
         if cards:
             torch.cuda.synchronize()
@@ -201,17 +208,18 @@ def run_seed_loop(spec: dict) -> dict:
         loss = total / seen
     names = [f"cuda:0 {torch.cuda.get_device_name(0)}"] if cards else ["cpu"]
     return {"rates": rates[1:], "loss": loss, "peak_memory_mb": memory.peak_mb(cards),
-            "card_used_mb": memory.card_used_mb(cards), "world_size": 1, "device_names": names}
+            "card_used_mb": memory.card_used_mb(cards), "shard_mb": [held], "world_size": 1, "device_names": names}
 
 
 def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
-    """A cell's numbers: the median timed epoch, ms per optimizer step, memory and its imbalance."""
+    """A cell's numbers: the median timed epoch, ms per optimizer step, memory and its imbalance, and what each
+    process held of the parameters, gradients and optimizer state (MB; under fsdp, its shards)."""
     rate = statistics.median(result["rates"])
     memory = result["peak_memory_mb"]
     return {"strategy": strategy, "devices": devices, "world_size": result["world_size"], "batch_size": batch,
             "samples_per_s": rate, "epoch_samples_per_s": result["rates"], "ms_per_step": 1000 * batch / rate,
             "peak_memory_mb": memory, "imbalance": max(memory) / statistics.mean(memory) if min(memory) > 0 else None,
-            "card_used_mb": result["card_used_mb"],
+            "card_used_mb": result["card_used_mb"], "shard_mb": result["shard_mb"],
             "loss": result["loss"], "device_names": result["device_names"]}
 
 

@@ -1,5 +1,6 @@
-"""The bench's report: derived numbers (scaling, parity, speed-up), the terminal and markdown tables, bench.json
-and the PNG plot. Imported only when a bench runs (matplotlib and torch load here, never for `--help`)."""
+"""The bench's report: derived numbers (scaling, parity, speed-up, what sharding saves), the terminal and markdown
+tables, bench.json and the PNG plot. Imported only when a bench runs (matplotlib and torch load here, never for
+`--help`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from pathlib import Path
 PARITY_NOTE = ("loss parity: |final train loss - single x1's| / single x1's, after the same epochs from the same "
                "initial weights, data order and global batch (not computed for the seed loop and the fast path, "
                "whose batch or data order differ)")
+HELD_NOTE = ("held: MB of parameters / gradients / optimizer state in each process at the first optimizer step "
+             "(memory.shard_bytes: of a DTensor only the local shard, each storage once), beside the peak, which "
+             "also counts activations, buffers and, under fsdp, the blocks gathered whole while they compute; "
+             "held vs whole: the most any process of the cell held, over what one process holds of the whole "
+             "model and its optimizer (a 1-device cell)")
+KINDS = ("params", "grads", "optimizer")
 
 
 def cpu_name() -> str:
@@ -46,9 +53,16 @@ def command() -> str:
     return shlex.join(["python -m multicard" if name == "__main__.py" else name, *sys.argv[1:]])
 
 
+def held(cell: dict) -> list[float] | None:
+    """MB of parameters + gradients + optimizer state in each of a cell's processes; None where not measured
+    (bench.json files from before the column)."""
+    shards = cell.get("shard_mb")
+    return [sum(s[k] for k in KINDS) for s in shards] if shards and all(shards) else None
+
+
 def derive(results: dict) -> None:
-    """Fill in scaling efficiency (against the same strategy on one device), loss parity (against single x1)
-    and speed-up over the seeds' loop, in place."""
+    """Fill in scaling efficiency (against the same strategy on one device), loss parity (against single x1),
+    speed-up over the seeds' loop and the share of the whole model each process holds, in place."""
     cells, baseline = results["cells"], results.get("baseline")
     one = {c["strategy"]: c for c in cells if c["devices"] == 1}
     reference = one.get("single")
@@ -61,6 +75,11 @@ def derive(results: dict) -> None:
         extra["scaling_efficiency"] = extra["loss_parity"] = None
     for cell in rows(results):
         cell["speedup_vs_baseline"] = cell["samples_per_s"] / baseline["samples_per_s"] if baseline else None
+    # the whole model and its optimizer state, as one process holds it: single x1 first, else any 1-process cell
+    ones = [c for c in [reference, *cells, baseline, results.get("fast")] if c and c.get("world_size") == 1]
+    whole = next((max(held(c)) for c in ones if held(c)), None)
+    for cell in rows(results):
+        cell["held_vs_whole"] = max(held(cell)) / whole if whole and held(cell) else None
 
 
 def build(args: argparse.Namespace, results: dict, cards: int, cores: int, seconds: float) -> dict:
@@ -85,7 +104,7 @@ def fmt(value, spec: str) -> str:
 
 
 HEADER = ("cell", "devices", "batch", "samples/s", "ms/step", "scaling", "vs seed loop", "peak MB per {unit}",
-          "imbalance", "final loss", "loss parity")
+          "held MB params", "grads", "optimizer", "held vs whole", "imbalance", "final loss", "loss parity")
 
 
 def nvml(report: dict) -> bool:
@@ -98,6 +117,19 @@ def header(report: dict) -> list[str]:
     return names[:8] + ["NVML MB per card"] + names[8:] if nvml(report) else names
 
 
+def mb(value: float) -> str:
+    """MB to read at a glance: whole MB from 100 up, else enough decimals for a small model's shards."""
+    return format(value, ",.0f" if value >= 100 else ".1f" if value >= 1 else ".2f")
+
+
+def shards_text(r: dict) -> list[str]:
+    """The held columns of a row: each kind's MB per process ("-" where not measured), then held vs whole."""
+    shards = r.get("shard_mb")
+    if not shards or not all(shards):
+        return ["-"] * len(KINDS) + ["-"]
+    return [" / ".join(mb(s[k]) for s in shards) for k in KINDS] + [fmt(r.get("held_vs_whole"), ".0%")]
+
+
 def cells_text(report: dict) -> list[list[str]]:
     out, with_nvml = [], nvml(report)
     for r in rows(report):  # .get: bench.json files written before the NVML column have no card_used_mb
@@ -105,7 +137,8 @@ def cells_text(report: dict) -> list[list[str]]:
         out.append([r["strategy"], str(r["devices"]), str(r["batch_size"]), fmt(r["samples_per_s"], ",.0f"),
                     fmt(r["ms_per_step"], ".2f"), fmt(r["scaling_efficiency"], ".0%"),
                     fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
-                    " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), *used, fmt(r["imbalance"], ".2f"),
+                    " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), *used, *shards_text(r),
+                    fmt(r["imbalance"], ".2f"),
                     fmt(r["loss"], ".4f"), fmt(r["loss_parity"], ".1e")])
     return out
 
@@ -134,7 +167,7 @@ def table(report: dict) -> str:
     def line(r: list[str]) -> str:  # the first column left-aligned, numbers right-aligned
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
 
-    return "\n".join([*heading(report), "", line(names), *(line(r) for r in body), "", PARITY_NOTE])
+    return "\n".join([*heading(report), "", line(names), *(line(r) for r in body), "", HELD_NOTE, PARITY_NOTE])
 
 
 def markdown(report: dict) -> str:
@@ -147,7 +180,8 @@ def markdown(report: dict) -> str:
         memory += ("; NVML: memory in use on each card at the end of the cell (tensors, the allocator's reserve, "
                    "the CUDA context and anything else on the card)")
     many = "cards" if report["hardware"]["cards"] else "processes"
-    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over a cell's {many}. {PARITY_NOTE}."])
+    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over a cell's {many}. {HELD_NOTE}. "
+                               f"{PARITY_NOTE}."])
 
 
 def plot(report: dict, path: Path) -> None:
@@ -187,6 +221,11 @@ def plot(report: dict, path: Path) -> None:
         mine = [(i, r["peak_memory_mb"]) for i, r in enumerate(measured) if k < len(r["peak_memory_mb"])]
         right.bar([i + (k - (len(m) - 1) / 2) * width for i, m in mine], [m[k] for _, m in mine], width,
                   label=f"{unit(report)} {k}")
+    for k in range(most):  # inside each process's bar, hatched: what it held of params, grads and optimizer state
+        mine = [(i, r, held(r)) for i, r in enumerate(measured) if held(r) and k < len(held(r))]
+        right.bar([i + (k - (len(r["peak_memory_mb"]) - 1) / 2) * width for i, r, _ in mine],
+                  [h[k] for _, _, h in mine], width, fill=False, hatch="//", edgecolor="black", linewidth=0,
+                  label="held: params + grads + optimizer" if k == 0 and mine else None)
     right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
     right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory")

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import UsageError
+from .observe import need_tensorboard
 
 
 def opt(default, help: str, **meta):
@@ -108,7 +109,13 @@ class TrainConfig:
     # output
     quiet: bool = opt(False, "no progress bar, no per-epoch lines, no list of the files written")
     # a rerun with the same --out replaces that run's files
-    out: str = opt("runs/train", "folder for metrics.jsonl, summary.json and model.pt")
+    out: str = opt("runs/train", "folder for metrics.jsonl, summary.json, curves.png and model.pt")
+    # rank 0 writes event files into the run's folder: --out/tensorboard once the run has ended well
+    tensorboard: bool = opt(False, "write TensorBoard event files into --out/tensorboard (per-step loss and lr, "
+                            "per-epoch metrics; pip install 'multicard[tensorboard]')")
+    # a log file or CI gets no progress bar: a plain line now and then shows the run is alive
+    progress_every: float = opt(30.0, "seconds between plain progress lines when stderr is not a terminal "
+                                "(0: none)")
 
     def validate(self) -> None:
         """Refuse settings that cannot work, before anything runs (torch would fail later, some after an epoch).
@@ -125,11 +132,13 @@ class TrainConfig:
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
         for flag, value in (("--weight-decay", self.weight_decay), ("--clip-grad-norm", self.clip_grad_norm),
-                            ("--warmup-epochs", self.warmup_epochs)):
+                            ("--warmup-epochs", self.warmup_epochs), ("--progress-every", self.progress_every)):
             if not 0 <= value < math.inf:
                 raise UsageError(f"{flag} {value}: must be a number of 0 or more")
         if not self.out:
             raise UsageError("--out '': name a folder (it is created if missing)")
+        if self.tensorboard:
+            need_tensorboard("--tensorboard")
         if not 0 <= self.momentum < 1:
             raise UsageError(f"--momentum {self.momentum}: must be at least 0 and below 1")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launcher, memory, shards, strategies
+from . import checkpoint, launcher, memory, observe, shards, strategies
 from .data.loaders import Sharded, shard
 from .devices import select
 from .dist import job_from_env
@@ -50,11 +50,15 @@ class Multicard:
     model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
     timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
     the process that stopped making progress.
+    loggers: where mc.log(metrics, step) writes: "tensorboard" (event files under `log_dir`; needs
+    `pip install 'multicard[tensorboard]'`), any object with log(metrics, step) (and close(), called by
+    mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
                  seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
-                 fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0):
+                 fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
+                 loggers: Any = None, log_dir: str | Path = "runs/logs"):
         if precision not in PRECISIONS:
             raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
@@ -81,6 +85,7 @@ class Multicard:
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self._skipped: torch.Tensor | None = None
         self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
+        self.loggers: list = observe.make_loggers(loggers, log_dir)
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -149,7 +154,7 @@ class Multicard:
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
         return launcher.spawn(_launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
-                                                                      self.sync_batchnorm, fn, args))
+                                                                      self.sync_batchnorm, fn, args, self.loggers))
 
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:
@@ -169,7 +174,10 @@ class Multicard:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Leave the job: the process group goes down. Safe to call twice."""
+        """Leave the job: the process group goes down, the loggers are closed (flushed). Safe to call twice."""
+        for logger in self.loggers:
+            if callable(getattr(logger, "close", None)):
+                logger.close()
         if self._state == "started":
             self._strategy.stop()
         self._state = "closed"
@@ -326,6 +334,16 @@ class Multicard:
         if self.is_main:
             print(*args, **kwargs, flush=True)
 
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Write {name: number} (numbers or one-element tensors) at `step` to this object's loggers, on rank 0;
+        elsewhere, or without loggers, nothing (no collective: call it where you like). Names with a slash
+        group in TensorBoard ("train/loss")."""
+        if not self.loggers or not self.is_main:
+            return
+        values = observe.scalars(metrics)
+        for logger in self.loggers:
+            logger.log(values, int(step))
+
     # -- checkpoints -----------------------------------------------------------------------------------------
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
@@ -433,9 +451,10 @@ def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "aut
     return Multicard(strategy, devices, precision, **options).launch(fn, *args)
 
 
-def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple) -> Any:
+def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple,
+              loggers: list) -> Any:
     """The body of a process that Multicard.launch spawned."""
     mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
-                   timeout=strategy.timeout_s)
+                   timeout=strategy.timeout_s, loggers=loggers)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)

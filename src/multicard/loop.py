@@ -22,6 +22,8 @@ from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
 from .memory import shard_bytes
+from .observe import Progress, straggler
+from .report import say
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,11 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     parameters, their gradients and the optimizer's state, measured at the first optimizer step (fsdp: shards).
 
     Checkpoints go to config.out/checkpoints every config.save_every epochs and config.save_every_steps optimizer
-    steps; `resume` (a checkpoint's state.pt) continues from one exactly where it was taken."""
+    steps; `resume` (a checkpoint's state.pt) continues from one exactly where it was taken.
+
+    What it logs goes through mc.log (rank 0's loggers, e.g. TensorBoard): the mean training loss and the rate
+    every few optimizer steps, and each epoch's record at the optimizer step it ended on. Each record holds
+    every rank's own time (`rank_seconds`), the slowest rank and its lag over the median."""
     forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader}
     history, first_loss, steps, carried = [], None, 0, None
@@ -66,6 +72,18 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
         history, first_loss, steps, carried = saved["history"], saved["first_loss"], saved["steps"], saved["partial"]
     bar = tqdm(total=config.epochs * len(train_loader), unit="step", dynamic_ncols=True,
                disable=config.quiet or not mc.is_main or not sys.stderr.isatty())
+    steps_per_epoch = -(-len(train_loader) // config.accumulate)
+    # every 10 optimizer steps, closer in a short epoch (at least ~5 points each); the loss is read (a host sync)
+    # only then, and only where something is written
+    log_every, logging = max(1, min(10, steps_per_epoch // 5)), mc.is_main and bool(mc.loggers)
+    progress = None  # a log file or CI sees no bar: a plain line now and then instead
+    if mc.is_main and bar.disable and not config.quiet and config.progress_every > 0:
+        progress = Progress(config.progress_every, config.epochs, steps_per_epoch, say)
+    if logging:  # a resumed run's event files start afresh in its own folder: the epochs before it go in first
+        done = 0
+        for record in history:
+            done += record["optimizer_steps"]
+            mc.log(epoch_scalars(record), done)
 
     saved = [-1]  # the step of the newest checkpoint: one step is written once
 
@@ -86,12 +104,15 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                 samples, clipped = int(carried["sums"][1]), clipped + carried["sums"][2]
             lrs, before, carried = carried["lrs"], carried["seconds"], None
 
-        start = time.perf_counter()
+        logged = (float(loss_sum), samples) if logging else None  # the sums at the last logged step
+        start, waited = time.perf_counter(), 0.0  # waited: in backward and checkpoints, where ranks meet
         for inputs, targets in train_loader:
             ends = train_loader.step_ends
             with mc.no_backward_sync(model, enabled=not ends):  # no all-reduce until the step's last micro-batch
                 loss = criterion(forward(inputs), targets)
+                began = time.perf_counter()
                 mc.backward(loss * train_loader.share)  # weighted by samples: the step's mean, not K means
+                waited += time.perf_counter() - began  # ddp waits for the slowest rank here: not our own time
             if first_loss is None:
                 first_loss = loss.item()  # the loss before any step: where "blown up" is measured from
             n = count(targets)
@@ -108,20 +129,36 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                 if per_step:
                     scheduler.step()
                 steps += 1
+                if logging and steps % log_every == 0:  # rank 0's mean loss over the steps since the last point
+                    total = float(loss_sum)
+                    mc.log({"train/loss": (total - logged[0]) / max(samples - logged[1], 1), "train/lr": lrs[-1]},
+                           steps)
+                    logged = (total, samples)
                 if config.save_every_steps and steps % config.save_every_steps == 0:
-                    seconds = before + time.perf_counter() - start
+                    began = time.perf_counter()
+                    seconds = before + began - start
                     save({"sums": totals(mc, loss_sum, samples, clipped), "lrs": lrs, "seconds": seconds})
+                    waited += time.perf_counter() - began
             bar.update()
+            if progress is not None:
+                progress.tick(epoch + 1, len(lrs), n * mc.world_size)
+        # this rank's own time (data, forward, optimizer): the loop's, less where it may have waited for the others
+        own = torch.zeros(mc.world_size, dtype=torch.float64)
+        own[mc.rank] = time.perf_counter() - start - waited
+        rank_seconds = mc.all_reduce(own).tolist()
+        slowest, lag = straggler(rank_seconds)
         loss_sum, samples, clipped_steps = totals(mc, loss_sum, samples, clipped)
         seconds = before + time.perf_counter() - start  # after the reduction's .tolist(): the device work is done
         if not per_step:
             scheduler.step()
         record = {"epoch": epoch + 1, "train_loss": loss_sum / samples, "lr": sum(lrs) / max(len(lrs), 1),
                   "samples_per_s": samples / seconds, "seconds": seconds, "optimizer_steps": len(lrs),
-                  "clipped_steps": int(clipped_steps), "skipped_steps": mc.skipped_steps}
+                  "clipped_steps": int(clipped_steps), "skipped_steps": mc.skipped_steps,
+                  "rank_seconds": rank_seconds, "slowest_rank": slowest, "lag": lag}
         if test_loader is not None:
             record.update(evaluate(mc, forward, stats, test_loader))
         diverged(record, first_loss, config)
+        mc.log(epoch_scalars(record), steps)
         bar.set_postfix(loss=f"{record['train_loss']:.4f}", acc=f"{record.get('test_accuracy', 0):.4f}")
         history.append(record)
         if on_epoch is not None:
@@ -130,6 +167,12 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             save(None)  # (a checkpoint after the epoch's last step resumes to this same point)
     bar.close()
     return history
+
+
+def epoch_scalars(record: dict) -> dict[str, float]:
+    """An epoch's record as mc.log takes it: epoch/<key> for each number, rank_seconds/<rank> for each rank."""
+    scalars = {f"epoch/{k}": v for k, v in record.items() if k != "epoch" and isinstance(v, (int, float))}
+    return {**scalars, **{f"rank_seconds/{r}": s for r, s in enumerate(record.get("rank_seconds", ()))}}
 
 
 def totals(mc: Multicard, loss_sum: torch.Tensor, samples: int, clipped: torch.Tensor) -> list[float]:

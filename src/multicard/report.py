@@ -1,5 +1,6 @@
-"""What rank 0 of a training run writes into --out and prints: a line per epoch, then the model, the metrics and
-the summary; and --out itself, which one run at a time holds and whose files change together or not at all."""
+"""What rank 0 of a training run writes into --out and prints: a line per epoch, then the model, the metrics, the
+curves and the summary; and --out itself, which one run at a time holds and whose files change together or not at
+all."""
 
 from __future__ import annotations
 
@@ -16,22 +17,25 @@ from tqdm import tqdm
 from . import checkpoint
 from .config import TrainConfig
 from .errors import UsageError
+from .observe import STRAGGLER, curves
 
 
 def say(line: str) -> None:
     tqdm.write(f"multicard: {line}")
 
 
-FILES = ("model.pt", "metrics.jsonl", "summary.json")  # what --out shows of the run that ended well last
+FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run
+OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
 
 
 class Output:
     """--out as one run holds it. A lock: a second run into the same folder is refused at once (released by the
     system however this process ends). Each run writes into a fresh folder of its own, .run-<time>-<pid>; when
-    it has ended well, one name (.current) is switched to that folder, and model.pt, metrics.jsonl and
-    summary.json are links through it: they change together, and a run that fails or is stopped changes
-    nothing. Leftovers of a killed run (its folder, half-written checkpoints) go at the next run's start."""
+    it has ended well, one name (.current) is switched to that folder, and model.pt, metrics.jsonl,
+    summary.json, curves.png (and tensorboard/) are links through it: they change together, and a run that fails
+    or is stopped changes nothing. Leftovers of a killed run (its folder, half-written checkpoints) go at the next
+    run's start."""
 
     def __init__(self, out: str):
         if not out:
@@ -77,6 +81,11 @@ class Output:
         link(self.path / CURRENT, run.name)
         for name in FILES:  # the same links every time (made once, or over an older version's plain files)
             link(self.path / name, f"{CURRENT}/{name}")
+        for name in OPTIONAL:  # a link into a run without it would dangle
+            if (run / name).exists():
+                link(self.path / name, f"{CURRENT}/{name}")
+            else:
+                remove(self.path / name)
         for old in self.runs():
             if old.name != run.name:
                 remove(old)
@@ -121,10 +130,13 @@ def strict(obj):
 
 class Report:
     """What rank 0 writes into this run's folder: a line per epoch (metrics.jsonl, appended as the run goes),
-    then the model and the summary. Output.publish shows them in --out once the whole run has ended well."""
+    then the model, curves.png (every epoch, a resumed run's earlier ones too) and the summary. Output.publish
+    shows them in --out once the whole run has ended well."""
 
-    def __init__(self, run: Path | None, config: TrainConfig):
-        self.run, self.config, self.active = run, config, run is not None
+    def __init__(self, run: Path | None, config: TrainConfig, title: str = ""):
+        self.run, self.config, self.active, self.title = run, config, run is not None, title
+        self.history: list[dict] = []
+        self.warned: set[int] = set()  # stragglers named once: the epoch line goes on showing the lag
 
     def epoch(self, history: list[dict]) -> None:
         """The epochs so far (a resumed run's include those before it), the last one new: metrics.jsonl
@@ -132,14 +144,22 @@ class Report:
         if not self.active:
             return
         (self.run / "metrics.jsonl").write_text("".join(json.dumps(strict(r)) + "\n" for r in history))
+        self.history = history
         record = history[-1]
-        if not self.config.quiet:
-            acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
-            say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
-                f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s")
+        if self.config.quiet:
+            return
+        acc = f"  test acc {record['test_accuracy']:.2%}" if "test_accuracy" in record else ""
+        ranks = f"  slowest rank {record['slowest_rank']} +{record['lag']:.0%}" \
+            if len(record.get("rank_seconds", ())) > 1 else ""
+        say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
+            f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s{ranks}")
+        if ranks and record["lag"] > STRAGGLER and record["slowest_rank"] not in self.warned:
+            self.warned.add(record["slowest_rank"])
+            say("warning: " + straggling(record, f" in epoch {record['epoch']}"))
 
     def finish(self, summary: dict, model_state: dict) -> None:
         checkpoint.write_atomic(model_state, self.run / "model.pt")
+        curves(self.history, self.run / "curves.png", self.title)
         (self.run / "summary.json").write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
         acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
             if "test_accuracy" in summary else ""
@@ -147,4 +167,12 @@ class Report:
         used = ", ".join(f"{m:,.0f}" for m in summary["card_used_mb"])
         say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
             f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]"
-            + (f"; in use per card (NVML): [{used}]" if used else ""))
+            + (f"; in use per card (NVML): [{used}]" if used else "")
+            + (f"; {straggling(summary, ' over the run')}" if summary.get("lag", 0) > STRAGGLER else ""))
+
+
+def straggling(record: dict, when: str) -> str:
+    """Names the straggler of an epoch's record or of the summary (both hold rank_seconds, slowest_rank, lag)."""
+    seconds = record["rank_seconds"]
+    return (f"rank {record['slowest_rank']} is a straggler{when}: its own time was {record['lag']:.0%} over the "
+            f"median rank's ({', '.join(f'{s:.3g}' for s in seconds)} s per rank)")

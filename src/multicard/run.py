@@ -1,6 +1,7 @@
 """train(): the library's entry point and the body of `multicard train`. A client of the front object like any
 user's script: Multicard picks the strategy and launches the processes, and each one sets up the model, the
-criterion and the loaders with it, runs the loop, and has rank 0 write metrics.jsonl, summary.json and model.pt.
+criterion and the loaders with it, runs the loop, and has rank 0 write metrics.jsonl, summary.json, curves.png,
+model.pt (and with --tensorboard, event files).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from .front import Multicard
 from .launcher import RankFailed, said
 from .loop import accuracy, fit
 from .memory import MB
+from .observe import TensorBoardLogger, straggler
 from .recipe import make_optimizer, make_scheduler
-from .report import FILES, Output, Report, say
+from .report import FILES, OPTIONAL, Output, Report, say
 from .resume import describe, resolve
 
 
@@ -112,7 +114,8 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
         if output is not None:
             output.publish(run)
             if not config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
-                say(f"wrote {', '.join(str(output.path / name) for name in FILES)}")
+                shown = [*FILES, *(name for name in OPTIONAL if (output.path / name).exists())]
+                say(f"wrote {', '.join(str(output.path / name) for name in shown)}")
         return summary
 
 
@@ -141,7 +144,11 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
         device_data=config.device_data)
     steps_per_epoch = -(-len(train_loader) // config.accumulate)
     scheduler = make_scheduler(optimizer, config, steps_per_epoch, given_scheduler)
-    report = Report(run if mc.is_main else None, config)
+    title = (f"{name} on {len(train_data):,} samples: {mc.strategy}, {mc.world_size} process(es), "
+             f"global batch {config.batch_size}")
+    report = Report(run if mc.is_main else None, config, title)
+    if config.tensorboard and mc.is_main and run is not None:  # fit logs through mc.log, as a user's loop would
+        mc.loggers.append(TensorBoardLogger(run / "tensorboard"))
     if mc.is_main:
         note = f" ({mc.device_note})" if mc.device_note else ""
         micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
@@ -169,6 +176,10 @@ def summarize(mc: Multicard, model: nn.Module, history: list[dict], config: Trai
     autotuning, allocator growth), reported on its own, unless it is the only one."""
     names = [f"cuda:{c} {torch.cuda.get_device_name(c)}" for c in mc.cards] or ["cpu"]
     last, timed = history[-1], history[1:] or history
+    # each rank's own time over the run (epochs before a resume on another number of processes left out)
+    ranks = [r["rank_seconds"] for r in history if len(r.get("rank_seconds", ())) == mc.world_size]
+    rank_seconds = [sum(column) for column in zip(*ranks, strict=True)] or [0.0] * mc.world_size
+    slowest, lag = straggler(rank_seconds)
     return {
         "strategy": mc.strategy, "world_size": mc.world_size, "launcher": mc.launcher,
         "devices": flat(mc.gather(names)), "epochs": config.epochs, "global_batch_size": config.batch_size,
@@ -180,6 +191,7 @@ def summarize(mc: Multicard, model: nn.Module, history: list[dict], config: Trai
         "first_epoch_samples_per_s": history[0]["samples_per_s"],
         "optimizer_steps": sum(r["optimizer_steps"] for r in history),
         "clipped_steps": sum(r["clipped_steps"] for r in history), "skipped_steps": last["skipped_steps"],
+        "rank_seconds": rank_seconds, "slowest_rank": slowest, "lag": lag,
         "wall_s": wall_s, "peak_memory_mb": flat(mc.gather(mc.peak_memory_mb())),
         "card_used_mb": flat(mc.gather(mc.card_used_mb())),  # NVML; [] where it cannot be read
         "model": type(mc.unwrap(model)).__name__, "torch": torch.__version__,
