@@ -69,7 +69,6 @@ def _sharded(rank: int, world: int, port: int, out) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 33), nn.ReLU(), nn.Linear(33, 5))
         full = nbytes(model)
-        rows = [p.shape[0] for p in model.parameters()]
         mesh = init_device_mesh("cpu", (world,))
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -82,7 +81,7 @@ def _sharded(rank: int, world: int, port: int, out) -> None:
         held = shard_bytes(model, optimizer)
         # a row of each parameter (dim 0 is split over the processes), the most rounding can move one share
         row = sum(p.numel() * p.element_size() // p.shape[0] for p in model.parameters())
-        out.put((rank, full, row, held, rows))
+        out.put((rank, full, row, held))
     finally:
         dist.destroy_process_group()
 
@@ -94,8 +93,8 @@ def test_dtensor_shards_count_their_local_part():
     mp.start_processes(_sharded, args=(world, free_port(), out), nprocs=world, start_method="spawn")
     results = sorted(out.get() for _ in range(world))
     full = results[0][1]
-    assert sum(held["params"] for _, _, _, held, _ in results) == full  # the shards add up to the model
-    for _, _, row, held, _ in results:
+    assert sum(held["params"] for _, _, _, held in results) == full  # the shards add up to the model
+    for _, _, row, held in results:
         assert abs(held["params"] - full / world) <= row
         assert held["grads"] == held["params"]
         assert 2 * held["params"] <= held["optimizer"] <= 2 * held["params"] + 5 * 8  # moments + step tensors

@@ -229,7 +229,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
     right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory")
-    right.legend()
+    right.legend(fontsize=8)
     hw = report["hardware"]
     fig.suptitle(f"multicard bench: {report['config']['model']}; {hw['cpu']} ({hw['cores']} cores), "
                  f"{', '.join(hw['cards']) or 'no GPU'}; torch {report['torch']}; {report['date'][:10]}", fontsize=9)
