@@ -57,7 +57,7 @@ def test_train_end_to_end(tmp_path):
     assert "Traceback" not in result.stderr
     lines = (result.stdout + result.stderr).splitlines()  # quiet: what ran and how it ended, nothing per epoch
     assert len(lines) == 2 and "training LeNet5" in lines[0] and lines[1].startswith("multicard: done: "), lines
-    assert list(shown(out)) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert list(shown(out)) == ["curves.png", "metrics.jsonl", "model.pt", "summary.json"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 1 and metrics[0]["epoch"] == 1
     summary = json.loads((out / "summary.json").read_text())

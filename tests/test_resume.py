@@ -251,7 +251,7 @@ def test_a_second_run_into_an_out_in_use_is_refused_at_once(tmp_path):
             lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
         assert time.monotonic() - start < 5
     lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)  # released: the next run goes ahead
-    assert list(shown(tmp_path)) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert list(shown(tmp_path)) == ["curves.png", "metrics.jsonl", "model.pt", "summary.json"]
 
 
 def test_a_run_that_fails_at_its_last_write_replaces_nothing(tmp_path, monkeypatch):
@@ -279,7 +279,7 @@ def test_out_files_change_together_and_leftovers_are_cleared(tmp_path):
     (tmp_path / "summary.json.123.part").write_text("{")  # a killed run's half file
     lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".run-")) == \
-        [".current", "metrics.jsonl", "model.pt", "summary.json"]
+        [".current", "curves.png", "metrics.jsonl", "model.pt", "summary.json"]
     assert all(os.readlink(tmp_path / name) == f".current/{name}" for name in ("model.pt", "summary.json"))
     assert len(list(tmp_path.glob(".run-*"))) == 1
 

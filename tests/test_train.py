@@ -85,7 +85,7 @@ def test_summary(run):
     assert isinstance(summary["peak_memory_mb"], list) and len(summary["peak_memory_mb"]) == 1
     assert summary["peak_memory_mb"][0] > 0 and summary["wall_s"] > 0 and summary["train_samples_per_s"] > 0
     assert summary["config"]["lr"] == 4e-3 and summary["model"] == "LeNet5"
-    assert list(shown(out)) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert list(shown(out)) == ["curves.png", "metrics.jsonl", "model.pt", "summary.json"]
 
 
 def test_saved_model_reloads_with_the_same_accuracy(run):

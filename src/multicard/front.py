@@ -175,7 +175,7 @@ class Multicard:
 
     def close(self) -> None:
         """Leave the job: the process group goes down, the loggers are closed (flushed). Safe to call twice."""
-        for logger in self.loggers:
+        for logger in self.loggers if self._state == "started" and self._strategy.is_main else ():  # where they wrote
             if callable(getattr(logger, "close", None)):
                 logger.close()
         if self._state == "started":

@@ -1,0 +1,140 @@
+"""Seeing a run: TensorBoard event files (mc.log), curves.png at the end, the straggler among the ranks, and a
+plain progress line where no terminal shows tqdm's bar.
+
+No torch, tensorboard or matplotlib at module level: each loads only when it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+STRAGGLER = 0.2  # a rank this much over the median is named (2 ranks sharing 2 busy cores can reach it by noise)
+
+
+def need_tensorboard(what: str = "TensorBoard logging") -> None:
+    """One line naming the extra where the tensorboard package is missing (checked without importing it)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UsageError(f"{what} needs the tensorboard package: pip install 'multicard[tensorboard]'")
+
+
+class TensorBoardLogger:
+    """Event files under `root_dir`, written with the tensorboard package's writer (through torch's
+    SummaryWriter): `tensorboard --logdir root_dir`. The writer is made on the first log, so the object can be
+    handed to spawned processes (and only the rank that logs creates files)."""
+
+    def __init__(self, root_dir: str | Path = "runs/logs", flush_secs: int = 10):
+        need_tensorboard()
+        self.root_dir, self.flush_secs, self._writer = Path(root_dir), flush_secs, None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # flushed every few seconds: a run is worth watching while it goes
+            self._writer = SummaryWriter(str(self.root_dir), flush_secs=self.flush_secs)
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __getstate__(self) -> dict:  # an open writer holds a thread and a file: a copy starts without one
+        return {**self.__dict__, "_writer": None}
+
+
+def make_loggers(loggers: Any, log_dir: str | Path) -> list:
+    """Multicard(loggers=...): None, "tensorboard", an object with log(metrics, step), or a list of these."""
+    if loggers is None:
+        return []
+    made = []
+    for logger in loggers if isinstance(loggers, (list, tuple)) else [loggers]:
+        if logger == "tensorboard":
+            logger = TensorBoardLogger(log_dir)
+        elif isinstance(logger, str) or not callable(getattr(logger, "log", None)):
+            raise UsageError(f"loggers={logger!r}: give 'tensorboard' or an object with log(metrics, step)")
+        made.append(logger)
+    return made
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    """{name: number}: tensors of one element read once; anything else is one line naming it."""
+    out = {}
+    for name, value in metrics.items():
+        try:
+            out[str(name)] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise UsageError(f"log: {name}={value!r} is not a number") from None
+    return out
+
+
+def straggler(rank_seconds: list[float]) -> tuple[int, float]:
+    """The slowest rank and its lag: how much longer its own time was than the median rank's (0.35: 35%)."""
+    slowest = max(range(len(rank_seconds)), key=rank_seconds.__getitem__)
+    median = statistics.median(rank_seconds)
+    return slowest, (rank_seconds[slowest] / median - 1 if median > 0 else 0.0)
+
+
+class Progress:
+    """A plain line every `every` seconds (epoch, step, samples/s) for a log file or CI, where tqdm's bar is off.
+    tick() is a clock read per batch: no host sync, nothing printed until `every` seconds have passed."""
+
+    def __init__(self, every: float, epochs: int, steps_per_epoch: int, say):
+        self.every, self.epochs, self.steps, self.say = every, epochs, steps_per_epoch, say
+        self.last, self.samples = time.monotonic(), 0
+
+    def tick(self, epoch: int, step: int, samples: int) -> None:
+        self.samples += samples
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.say(f"epoch {epoch}/{self.epochs} step {step}/{self.steps}, "
+                     f"{self.samples / (now - self.last):,.0f} samples/s")
+            self.last, self.samples = now, 0
+
+
+def curves(history: list[dict], path: Path, title: str = "") -> None:
+    """curves.png: train and test loss, test accuracy and learning rate per epoch, side by side."""
+    from matplotlib.figure import Figure  # no pyplot: no backend to pick, nothing global changed
+
+    epochs = [r["epoch"] for r in history]
+    style = dict(marker="o", markersize=3 if len(epochs) <= 40 else 0, linewidth=1.6)
+    fig = Figure(figsize=(12, 3.8))
+    # fixed margins: a layout engine would draw the figure twice, doubling the second this costs every run
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.13, top=0.84, wspace=0.2)
+    loss, acc, lr = fig.subplots(1, 3)
+    loss.plot(epochs, [r["train_loss"] for r in history], label="train", color="tab:blue", **style)
+    tested = [r for r in history if "test_loss" in r]
+    if tested:
+        loss.plot([r["epoch"] for r in tested], [r["test_loss"] for r in tested], label="test", color="tab:orange",
+                  linestyle="--", **style)
+        acc.plot([r["epoch"] for r in tested], [100 * r["test_accuracy"] for r in tested], color="tab:green", **style)
+        best = max(tested, key=lambda r: r["test_accuracy"] if math.isfinite(r["test_accuracy"]) else -1)
+        acc.text(0.97, 0.04, f"last {tested[-1]['test_accuracy']:.2%}, best {best['test_accuracy']:.2%} "
+                 f"(epoch {best['epoch']})", ha="right", va="bottom", transform=acc.transAxes, fontsize=9,
+                 bbox=dict(facecolor="white", edgecolor="lightgray", alpha=0.9))
+    else:
+        acc.text(0.5, 0.5, "no test set", ha="center", va="center", transform=acc.transAxes, color="gray")
+    lrs = [r["lr"] for r in history]
+    lr.plot(epochs, lrs, color="tab:purple", **style)
+    if min(lrs) > 0 and max(lrs) / min(lrs) > 20:  # a decay over decades reads best on a log scale
+        lr.set_yscale("log")
+    else:  # from 0: a flat rate reads as flat, a staircase as steps
+        lr.set_ylim(0, 1.1 * max(max(lrs), 1e-12))
+        lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    loss.legend()
+    for ax, name in ((loss, "loss"), (acc, "test accuracy (%)"), (lr, "learning rate")):
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=100)
