@@ -184,7 +184,7 @@ def test_single_in_a_launched_job_is_an_error():
         strategies.choose("single", CPU1, Job(rank=0, world=2, launcher="torchrun"))
 
 
-@pytest.mark.parametrize("name", ["nope", "DDP", "", "fsdp"])
+@pytest.mark.parametrize("name", ["nope", "DDP", "", "zero"])
 def test_unknown_strategy(name):
     with pytest.raises(UsageError, match=f"--strategy {name}: unknown; choose auto or one of single"):
         strategies.choose(name, CPU1, Job())

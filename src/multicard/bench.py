@@ -4,8 +4,10 @@ Every cell (a strategy on N devices, the seeds' loop, the fast path) runs in a f
 memory never shows in another's (on the CPU, peak memory is a process's peak RSS). Beside the peak, each cell
 reports what each process held of the parameters, their gradients and the optimizer state (memory.shard_bytes,
 at the first optimizer step): the whole model under ddp, 1/N of it under fsdp. Each trains 1 warm-up epoch
-plus --repeats timed epochs, with the clock read after synchronizing the cards; the median epoch is reported.
-The report (table, bench.json, bench.md, bench.png) is written by bench_report.py.
+plus --repeats timed epochs, with the clock read after synchronizing the cards; the median epoch is reported, and
+the spread of the timed epochs beside it. The machine's 1-minute load average is read before and after each cell:
+on a shared machine other work takes cores from a cell, and the report says so rather than print its numbers as if
+the machine were quiet. The report (table, bench.json, bench.md, bench.png) is written by bench_report.py.
 
 No torch at module level: the CLI imports this module to build its flags, and `multicard --help` must be fast.
 """
@@ -223,7 +225,27 @@ def row(result: dict, strategy: str, devices: int, batch: int) -> dict:
             "loss": result["loss"], "device_names": result["device_names"]}
 
 
-def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int) -> dict:
+def load() -> float | None:
+    """The machine's 1-minute load average (threads running or waiting for a core, every process's, this bench's
+    own included); None where the OS keeps none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def measured(fn: Callable[[dict], dict], spec: dict, strategy: str, n: int, batch: int, cores: int) -> dict:
+    """fn(spec) in a fresh process, as a row, with the load average just before and just after it and the cores
+    its processes run on: on the CPU all of the sweep's cores (single takes one thread per core, ddp and fsdp give
+    each of N processes cores // N threads), with cards the card processes' host threads share them too."""
+    before = load()
+    cell = {**row(isolated(fn, spec), strategy, n, batch), "load_before": before, "load_after": load(),
+            "cores": cores}
+    announce(cell)
+    return cell
+
+
+def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int, cores: int) -> dict:
     """Run the seeds' loop, every cell and the fast path; each in its own process, one after another."""
     out = Path(args.out) / "cells"
     common = {"model": args.model, "samples": args.samples, "seed": args.seed, "repeats": args.repeats,
@@ -231,24 +253,24 @@ def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int) ->
     results: dict = {"cells": []}
     if not args.no_baseline:
         spec = {**common, "out": str(out / "seed-loop")}
-        results["baseline"] = row(isolated(run_seed_loop, spec), "seed loop", 1, SEED_BATCH)
-        announce(results["baseline"])
+        results["baseline"] = measured(run_seed_loop, spec, "seed loop", 1, SEED_BATCH, cores)
     for strategy, n in cells:
         spec = {**common, "strategy": strategy, "devices": device_spec(n, cards), "batch": args.batch_size,
                 "out": str(out / f"{strategy}-{n}")}
-        results["cells"].append(row(isolated(run_cell, spec), strategy, n, args.batch_size))
-        announce(results["cells"][-1])
+        results["cells"].append(measured(run_cell, spec, strategy, n, args.batch_size, cores))
     if not args.no_fast:
         spec = {**common, "strategy": "single", "devices": device_spec(1, cards), "fast": True,
                 "batch": args.fast_batch, "precision": args.precision, "compile": args.compile,
                 "out": str(out / "fast")}
-        results["fast"] = row(isolated(run_cell, spec), "single fast", 1, args.fast_batch)
-        announce(results["fast"])
+        results["fast"] = measured(run_cell, spec, "single fast", 1, args.fast_batch, cores)
     return results
 
 
 def announce(cell: dict) -> None:
-    print(f"bench: {cell['strategy']} x{cell['devices']}: {cell['samples_per_s']:,.0f} samples/s", flush=True)
+    rates = cell["epoch_samples_per_s"]
+    print(f"bench: {cell['strategy']} x{cell['devices']}: {cell['samples_per_s']:,.0f} samples/s (epochs "
+          f"{min(rates):,.0f}-{max(rates):,.0f}; load {cell['load_before']} -> {cell['load_after']} on "
+          f"{cell['cores']} cores)", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     cards, cores = machine()
     cells = plan(args, cards, cores)
     begin = time.perf_counter()
-    results = sweep(args, cells, cards)
+    results = sweep(args, cells, cards, cores)
     report = bench_report.build(args, results, cards, cores, time.perf_counter() - begin)
     print(bench_report.table(report))
     for path in bench_report.write(report, Path(args.out)):

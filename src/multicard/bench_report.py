@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -23,6 +24,14 @@ HELD_NOTE = ("held: MB of parameters / gradients / optimizer state in each proce
              "held vs whole: the most any process of the cell held, over what one process holds of the whole "
              "model and its optimizer (a 1-device cell)")
 KINDS = ("params", "grads", "optimizer")
+SCALING_NOTE = ("scaling: samples/s over N x those of the same strategy on 1 device; ? above 100%: N devices "
+                "doing more than N times the work of one, see the warnings")
+SPREAD_LIMIT = 0.10  # timed epochs of one cell further apart than this (of their median): the median is not sure
+SPREAD_NOTE = (f"spread: (fastest - slowest timed epoch) / median, '-' from a single timed epoch; * above "
+               f"{SPREAD_LIMIT:.0%}: the epochs disagree, the median is uncertain by about that much")
+LOAD_NOTE = ("load/cores: the machine's 1-minute load average (the higher of just before and just after the cell; it "
+             "counts this bench's own threads too) over the cores the cell ran on; ! above them: other work took "
+             "cores from the cell, whose rates are then low and uneven")
 
 
 def cpu_name() -> str:
@@ -60,9 +69,67 @@ def held(cell: dict) -> list[float] | None:
     return [sum(s[k] for k in KINDS) for s in shards] if shards and all(shards) else None
 
 
+def spread(rates: list[float]) -> float | None:
+    """(fastest - slowest) / median of a cell's timed epochs; None from one epoch, which has no spread."""
+    return (max(rates) - min(rates)) / statistics.median(rates) if len(rates) > 1 else None
+
+
+def honesty(cell: dict) -> None:
+    """A row's spread of its timed epochs (min, max, relative spread, whether it is large) and whether the machine
+    was busy while it ran (load above its cores; None where not measured: a bench.json from before the fields)."""
+    rates = cell.get("epoch_samples_per_s") or [cell["samples_per_s"]]  # only a median: no spread to tell
+    cell["rate_min"], cell["rate_max"], cell["spread"] = min(rates), max(rates), spread(rates)
+    cell["noisy"] = cell["spread"] is not None and cell["spread"] > SPREAD_LIMIT
+    loads = [v for v in (cell.get("load_before"), cell.get("load_after")) if v is not None]
+    # the load average counts the cell's own threads too, but multicard gives it no more than its cores: above
+    # them, other work was running
+    cell["busy"] = max(loads) > cell["cores"] if loads and cell.get("cores") else None
+
+
+def warnings(results: dict) -> list[str]:
+    """What the numbers cannot be trusted for, each a short headline, ': ', then why and what to do."""
+    out = []
+    busy = [r for r in rows(results) if r.get("busy")]
+    if busy:
+        what = ", ".join(f"{r['strategy']} x{r['devices']} {max(r['load_before'], r['load_after']):.1f}"
+                         for r in busy)
+        out.append(f"machine busy: the 1-minute load average was above the {busy[0]['cores']} cores in {len(busy)} "
+                   f"of {len(rows(results))} cells ({what}); other work took cores from them, so their rates and "
+                   f"every ratio built on them (scaling, speed-up) are off; rerun on a quiet machine")
+    noisy = [r for r in rows(results) if r.get("noisy")]
+    if noisy:
+        what = ", ".join(f"{r['strategy']} x{r['devices']} {r['spread']:.0%}" for r in noisy)
+        out.append(f"large spread: the timed epochs differ by more than {SPREAD_LIMIT:.0%} of their median in "
+                   f"{what}; read those medians as that uncertain; rerun with more --repeats on a quiet machine")
+    one = {c["strategy"]: c for c in results["cells"] if c["devices"] == 1}
+    for cell in results["cells"]:
+        first, efficiency = one.get(cell["strategy"]), cell.get("scaling_efficiency")
+        if cell["devices"] == 1 or not first or efficiency is None or efficiency <= 1:
+            continue
+        name = f"{cell['strategy']} x{cell['devices']}"
+        spreads = [cell.get("spread"), first.get("spread")]
+        if None in spreads:
+            out.append(f"{name} scaling {efficiency:.0%} unverified: above 100% from a single timed epoch, which "
+                       f"has no spread to judge it by; more than {cell['devices']}x the one-device rate is almost "
+                       f"always noise; rerun with --repeats 3 or more on a quiet machine")
+            continue
+        margin = sum(spreads)  # a ratio of two medians: their relative uncertainties add
+        if efficiency > 1 + margin:
+            out.append(f"{name} scaling {efficiency:.0%} is noise: above 100% by more than the two cells' spread "
+                       f"({margin:.0%}); {cell['devices']} devices cannot do more than {cell['devices']}x the work "
+                       f"of one unless each one's share of the data and model newly fits its cache; most likely the "
+                       f"machine's load changed between the cells; not a speed-up; rerun on a quiet machine")
+        else:  # still worth saying: the table shows the number as if it were measured
+            out.append(f"{name} scaling {efficiency:.0%} within the noise: the two cells' spread ({margin:.0%}) is "
+                       f"larger than its {efficiency - 1:.0%} above 100%, so it tells nothing beyond 'about ideal or "
+                       f"below'; not a speed-up; rerun on a quiet machine with more --repeats")
+    return out
+
+
 def derive(results: dict) -> None:
     """Fill in scaling efficiency (against the same strategy on one device), loss parity (against single x1),
-    speed-up over the seeds' loop and the share of the whole model each process holds, in place."""
+    speed-up over the seeds' loop, the share of the whole model each process holds, the spread of each row's timed
+    epochs and whether the machine was busy, in place; then the warnings about all of it."""
     cells, baseline = results["cells"], results.get("baseline")
     one = {c["strategy"]: c for c in cells if c["devices"] == 1}
     reference = one.get("single")
@@ -80,6 +147,9 @@ def derive(results: dict) -> None:
     whole = next((max(held(c)) for c in ones if held(c)), None)
     for cell in rows(results):
         cell["held_vs_whole"] = max(held(cell)) / whole if whole and held(cell) else None
+        honesty(cell)
+    results["spread_limit"] = SPREAD_LIMIT
+    results["warnings"] = warnings(results)
 
 
 def build(args: argparse.Namespace, results: dict, cards: int, cores: int, seconds: float) -> dict:
@@ -103,8 +173,9 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = ("cell", "devices", "batch", "samples/s", "ms/step", "scaling", "vs seed loop", "peak MB per {unit}",
-          "held MB params", "grads", "optimizer", "held vs whole", "imbalance", "final loss", "loss parity")
+HEADER = ("cell", "devices", "batch", "samples/s", "spread", "load/cores", "ms/step", "scaling", "vs seed loop",
+          "peak MB per {unit}", "held MB params", "grads", "optimizer", "held vs whole", "imbalance", "final loss",
+          "loss parity")
 
 
 def nvml(report: dict) -> bool:
@@ -114,7 +185,8 @@ def nvml(report: dict) -> bool:
 
 def header(report: dict) -> list[str]:
     names = [h.format(unit=unit(report)) for h in HEADER]
-    return names[:8] + ["NVML MB per card"] + names[8:] if nvml(report) else names
+    at = HEADER.index("peak MB per {unit}") + 1
+    return names[:at] + ["NVML MB per card"] + names[at:] if nvml(report) else names
 
 
 def mb(value: float) -> str:
@@ -130,12 +202,22 @@ def shards_text(r: dict) -> list[str]:
     return [" / ".join(mb(s[k]) for s in shards) for k in KINDS] + [fmt(r.get("held_vs_whole"), ".0%")]
 
 
+def honesty_text(r: dict) -> list[str]:
+    """The spread and load/cores columns, marked * (large spread) and ! (busy machine); .get: bench.json files
+    from before these fields have none of them."""
+    spread = fmt(r.get("spread"), ".0%") + (" *" if r.get("noisy") else "")
+    loads = [v for v in (r.get("load_before"), r.get("load_after")) if v is not None]
+    busy = f"{max(loads):.1f}/{r['cores']}" + (" !" if r.get("busy") else "") if loads and r.get("cores") else "-"
+    return [spread, busy]
+
+
 def cells_text(report: dict) -> list[list[str]]:
     out, with_nvml = [], nvml(report)
     for r in rows(report):  # .get: bench.json files written before the NVML column have no card_used_mb
         used = [" / ".join(f"{m:,.0f}" for m in r.get("card_used_mb", [])) or "-"] if with_nvml else []
         out.append([r["strategy"], str(r["devices"]), str(r["batch_size"]), fmt(r["samples_per_s"], ",.0f"),
-                    fmt(r["ms_per_step"], ".2f"), fmt(r["scaling_efficiency"], ".0%"),
+                    *honesty_text(r), fmt(r["ms_per_step"], ".2f"),
+                    fmt(r["scaling_efficiency"], ".0%") + (" ?" if (r["scaling_efficiency"] or 0) > 1 else ""),
                     fmt(r["speedup_vs_baseline"], ".2f") + ("x" if r["speedup_vs_baseline"] else ""),
                     " / ".join(f"{m:,.0f}" for m in r["peak_memory_mb"]), *used, *shards_text(r),
                     fmt(r["imbalance"], ".2f"),
@@ -167,21 +249,28 @@ def table(report: dict) -> str:
     def line(r: list[str]) -> str:  # the first column left-aligned, numbers right-aligned
         return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
 
-    return "\n".join([*heading(report), "", line(names), *(line(r) for r in body), "", HELD_NOTE, PARITY_NOTE])
+    notes = [SPREAD_NOTE, LOAD_NOTE, SCALING_NOTE, HELD_NOTE, PARITY_NOTE]
+    warned = [f"WARNING {w}" for w in report.get("warnings", [])]  # last: what the eye meets after the sweep
+    return "\n".join([*heading(report), "", line(names), *(line(r) for r in body), "", *notes, *warned])
 
 
 def markdown(report: dict) -> str:
     names = header(report)
-    lines = [f"- {h}" for h in heading(report)] + ["", "| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(r) + " |" for r in cells_text(report)]
+    lines = [f"- {h}" for h in heading(report)] + [""]
+    for w in report.get("warnings", []):  # above the table: read before the numbers
+        head, _, why = w.partition(": ")
+        lines += [f"**Warning: {head}.** {why}", ""]
+    lines += ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    lines += ["| " + " | ".join(v.replace("*", "\\*") for v in r) + " |" for r in cells_text(report)]
     memory = "torch.cuda peak allocated per card" if report["hardware"]["cards"] else \
         "peak resident memory (RSS) per process"
     if nvml(report):
         memory += ("; NVML: memory in use on each card at the end of the cell (tensors, the allocator's reserve, "
                    "the CUDA context and anything else on the card)")
     many = "cards" if report["hardware"]["cards"] else "processes"
-    return "\n".join(lines + ["", f"Memory: {memory}; imbalance = max / mean over a cell's {many}. {HELD_NOTE}. "
-                               f"{PARITY_NOTE}."])
+    spread = SPREAD_NOTE.replace("*", "\\*")  # markdown would read a bare * as the start of emphasis
+    return "\n".join(lines + ["", f"{spread}. {LOAD_NOTE}. {SCALING_NOTE}. Memory: {memory}; imbalance = max / "
+                               f"mean over a cell's {many}. {HELD_NOTE}. {PARITY_NOTE}."])
 
 
 def plot(report: dict, path: Path) -> None:
@@ -195,19 +284,34 @@ def plot(report: dict, path: Path) -> None:
     for marker, strategy in zip("osD^v", dict.fromkeys(c["strategy"] for c in report["cells"]), strict=False):
         mine = [c for c in report["cells"] if c["strategy"] == strategy]
         rate = f" ({mine[0]['samples_per_s']:,.0f}/s)" if len(counts) == 1 else ""  # one count: labels would overlap
-        left.plot([c["devices"] for c in mine], [c["samples_per_s"] for c in mine], marker + "-", markersize=8,
-                  alpha=0.8, label=strategy + rate)
+        median = [c["samples_per_s"] for c in mine]  # error bars: the slowest to the fastest timed epoch
+        bars = [[m - c["rate_min"] for m, c in zip(median, mine, strict=True)],
+                [c["rate_max"] - m for m, c in zip(median, mine, strict=True)]]
+        left.errorbar([c["devices"] for c in mine], median, yerr=bars, fmt=marker + "-", markersize=8, capsize=5,
+                      alpha=0.8, label=strategy + rate)
+    ideal = next((c for c in report["cells"] if c["strategy"] == "single"),
+                 next((c for c in report["cells"] if c["devices"] == 1), None))
+    if ideal and len(counts) > 1:  # what N devices would do if each did what one did
+        shared = "" if report["hardware"]["cards"] else " (the processes share its cores)"
+        left.plot(counts, [n * ideal["samples_per_s"] for n in counts], "k--", linewidth=1, alpha=0.6,
+                  label=f"ideal: N \u00d7 {ideal['strategy']} x1{shared}")
     for key, style, name in (("fast", ":", "single fast path"), ("baseline", "--", "seeds' plain loop")):
-        if key in report:  # one-device references: levels to read the strategies against
-            rate = report[key]["samples_per_s"]
-            left.axhline(rate, color="green" if key == "fast" else "grey", linestyle=style,
-                         label=f"{name} ({rate:,.0f}/s)")
-    for c in report["cells"] if len(counts) > 1 else []:
-        left.annotate(f"{c['samples_per_s']:,.0f}", (c["devices"], c["samples_per_s"]), fontsize=7,
-                      textcoords="offset points", xytext=(8, -3))
+        if key in report:  # one-device references: levels to read the strategies against, shaded min to max
+            r, color = report[key], "green" if key == "fast" else "grey"
+            left.axhline(r["samples_per_s"], color=color, linestyle=style,
+                         label=f"{name} ({r['samples_per_s']:,.0f}/s)")
+            left.axhspan(r["rate_min"], r["rate_max"], color=color, alpha=0.12, linewidth=0)
+    for n in counts if len(counts) > 1 else []:  # the labels at one count fanned out in the points' order
+        here = sorted((c for c in report["cells"] if c["devices"] == n), key=lambda c: c["samples_per_s"])
+        for rank, c in enumerate(here):
+            mark = (" *" if c.get("noisy") else "") + (" !" if c.get("busy") else "")
+            left.annotate(f"{c['samples_per_s']:,.0f}{mark}", (n, c["samples_per_s"]), fontsize=7,
+                          textcoords="offset points", xytext=(8, -3 + 9 * (rank - (len(here) - 1) / 2)))
     left.set(xticks=counts, xlabel="devices" if report["hardware"]["cards"] else "CPU processes",
-             ylabel="training samples/s (median epoch)", title="throughput")
-    values = [r["samples_per_s"] for r in rows(report)]
+             ylabel="training samples/s (median epoch; bars: min to max)", title="throughput and scaling")
+    values = [r["rate_max"] for r in rows(report)] + [r["rate_min"] for r in rows(report)]
+    if ideal and len(counts) > 1:
+        values.append(max(counts) * ideal["samples_per_s"])
     if max(values) / max(min(values), 1e-9) > 20:
         left.set_yscale("log")
     else:
@@ -228,12 +332,17 @@ def plot(report: dict, path: Path) -> None:
                   label="held: params + grads + optimizer" if k == 0 and mine else None)
     right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
-    right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory")
+    right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory",
+              ylim=(0, 1.2 * max(max(r["peak_memory_mb"]) for r in measured)))  # room for the legend above the bars
     right.legend(fontsize=8)
     hw = report["hardware"]
     fig.suptitle(f"multicard bench: {report['config']['model']}; {hw['cpu']} ({hw['cores']} cores), "
                  f"{', '.join(hw['cards']) or 'no GPU'}; torch {report['torch']}; {report['date'][:10]}", fontsize=9)
-    fig.tight_layout()
+    heads = [w.partition(": ")[0] for w in report.get("warnings", [])]
+    if heads:  # the plot travels without the table: say on it that its numbers are in doubt
+        fig.text(0.5, 0.925, "warning: " + "; ".join(heads) + " (see bench.md)", ha="center", fontsize=8,
+                 color="firebrick")
+    fig.tight_layout(rect=(0, 0, 1, 0.92 if heads else 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

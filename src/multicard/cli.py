@@ -108,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
     add_config_flags(t)
     t.set_defaults(run=cmd_train)
     c = sub.add_parser("check", help="parity: K SGD steps on one device vs N (default: every card, else cpu:2), "
-                       "gradients and weights compared, for every strategy this machine can run")
+                       "gradients and weights compared, for ddp, dp and dp-balanced as this machine can run them, or "
+                       "the one --strategy names (fsdp included)")
     add_config_flags(c)
     c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
     c.add_argument("--tolerance", type=float, default=1e-4,

@@ -157,7 +157,8 @@ def runnable(config: TrainConfig) -> tuple[list[str], str]:
         raise UsageError(f"--devices {config.devices}: parity needs 2 or more devices, e.g. cpu:2 or 0,1")
     if config.strategy != "auto":
         return [config.strategy], devices
-    return (["ddp", "fsdp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp", "fsdp"]), devices
+    # fsdp only when asked for (--strategy fsdp): its parity is ddp's arithmetic, sharded
+    return (["ddp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp"]), devices
 
 
 def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
