@@ -151,6 +151,7 @@ def test_the_launch_picks_no_port_in_advance(tmp_path, monkeypatch):
     assert summary["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_parity_names_dropout_as_the_cause(monkeypatch):
     monkeypatch.setitem(multicard.MODELS, "dropnet", DropoutNet)
     (result,) = check(multicard.TrainConfig(model="dropnet", devices="cpu:2", data="synthetic",

@@ -57,6 +57,7 @@ def test_each_process_holds_about_half(two):
         assert held["optimizer"] == pytest.approx(2 * held["params"], rel=0.05)  # Adam: two moments
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_shards_and_resume_on_three_processes(two, tmp_path):
     """torch.distributed.checkpoint reshards 2 -> 3; the data order goes on; evaluation on 3 stays exact."""
     summary, out = two
@@ -76,6 +77,7 @@ def test_a_sharded_checkpoint_under_another_strategy_is_one_line(two):
         mc.load(out / "checkpoints" / "step-00000003" / "state.pt", {"model": mc.setup(LeNet5())})
 
 
+@pytest.mark.slow
 def test_parity_with_clipping_and_accumulation():
     """First-step gradients (after clipping to the global norm) and final weights as on one process."""
     config = TrainConfig(devices="cpu:2", strategy="fsdp", augment=False, batch_size=16, accumulate=2,

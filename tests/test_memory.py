@@ -86,6 +86,7 @@ def _sharded(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_dtensor_shards_count_their_local_part():
     world = 2
     ctx = mp.get_context("spawn")

@@ -145,6 +145,7 @@ class SlowOnRank1(LeNet5):
         return super().forward(x)
 
 
+@pytest.mark.slow
 def test_the_slowest_rank_is_named(tmp_path, capfd):
     summary = tiny_run(tmp_path, SlowOnRank1(), strategy="ddp", devices="cpu:2", epochs=1, quiet=False)
     record = json.loads((tmp_path / "metrics.jsonl").read_text())

@@ -54,7 +54,8 @@ def assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
 SGD = dict(optimizer="sgd", lr=0.05, momentum=0.9, epochs=1, batch_size=64)  # 200 samples: the last step has 8
 
 
-@pytest.mark.parametrize("strategy, devices", [("single", "cpu"), ("ddp", "cpu:2")])
+@pytest.mark.parametrize("strategy, devices", [("single", "cpu"),
+                                               pytest.param("ddp", "cpu:2", marks=pytest.mark.slow)])
 def test_accumulation_ends_with_the_weights_of_the_whole_batch(tmp_path, strategy, devices):
     whole, w1 = train(tmp_path / "whole", **SGD, strategy=strategy, devices=devices)
     parts, w4 = train(tmp_path / "parts", **SGD, strategy=strategy, devices=devices, accumulate=4)
@@ -213,6 +214,7 @@ def test_an_unknown_precision_is_refused_not_trained_in_fp32(tmp_path):
 
 # -- divergence and throughput ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_recipe_flags_on_the_command_line(tmp_path):
     out = run_cli("train", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.5", "--nesterov", "--weight-decay",
                   "1e-4", "--scheduler", "cosine", "--warmup-epochs", "0.5", "--accumulate", "2", "--clip-grad-norm",
@@ -270,6 +272,7 @@ def test_the_check_fails_on_a_summed_gradient_and_names_it():
                for line in result.lines())
 
 
+@pytest.mark.slow
 def test_batchnorm_passes_the_check_with_sync_bn_and_fails_without():
     config = TrainConfig(model="resnet8", devices="cpu:2", **{**CHECK, "batch_size": 16})  # 3x32x32: its own data
     (without,) = check(config, steps=3)

@@ -84,7 +84,8 @@ def ddp(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("step", [4, 6], ids=["epoch-boundary", "mid-epoch"])
+@pytest.mark.parametrize("step", [pytest.param(4, marks=pytest.mark.slow), 6],
+                         ids=["epoch-boundary", "mid-epoch"])
 def test_a_resumed_ddp_run_ends_bit_identical(ddp, tmp_path, step):
     assert (ddp / "checkpoints" / f"step-{step:08d}" / "state.rank1.pt").is_file()
     lenet_run(tmp_path, strategy="ddp", devices="cpu:2", resume=str(ddp / "checkpoints" / f"step-{step:08d}"))
@@ -128,6 +129,7 @@ def test_a_dead_process_is_restarted_from_the_newest_checkpoint(ddp, tmp_path, c
     assert "rank 1 failed; restart 1 of 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_once_the_restarts_are_spent_the_run_fails_naming_the_rank(tmp_path):
     earlier = tmp_path / "run"
     lenet_run(earlier, strategy="single", devices="cpu", epochs=1)

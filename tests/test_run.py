@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import run_cli
 from multicard.cli import main
 
@@ -77,6 +79,7 @@ class TinyNet(nn.Module):
 """
 
 
+@pytest.mark.slow
 def test_train_takes_a_model_class_from_a_file_into_every_process(tmp_path):
     (tmp_path / "mynets.py").write_text(NET)
     out = run_cli("train", "--model", f"{tmp_path}/mynets.py:TinyNet", "--strategy", "ddp", "--devices", "cpu:2",
