@@ -121,8 +121,8 @@ def warnings(results: dict) -> list[str]:
                        f"machine's load changed between the cells; not a speed-up; rerun on a quiet machine")
         else:  # still worth saying: the table shows the number as if it were measured
             out.append(f"{name} scaling {efficiency:.0%} within the noise: the two cells' spread ({margin:.0%}) is "
-                       f"larger than its {efficiency - 1:.0%} above 100%, so it tells nothing beyond 'about ideal or "
-                       f"below'; not a speed-up; rerun on a quiet machine with more --repeats")
+                       f"larger than its {efficiency - 1:.0%} above 100%: no evidence of better than ideal scaling, "
+                       f"not a speed-up; rerun on a quiet machine with more --repeats")
     return out
 
 
@@ -281,14 +281,17 @@ def plot(report: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.4))
     counts = sorted({c["devices"] for c in report["cells"]} | {1})
-    for marker, strategy in zip("osD^v", dict.fromkeys(c["strategy"] for c in report["cells"]), strict=False):
+    strategies = list(dict.fromkeys(c["strategy"] for c in report["cells"]))
+    step = 0.025 * (max(counts) - min(counts) or 1)  # each strategy a little aside, so error bars do not overlap
+    dodge = {s: step * (i - (len(strategies) - 1) / 2) for i, s in enumerate(strategies)}
+    for marker, strategy in zip("osD^v", strategies, strict=False):
         mine = [c for c in report["cells"] if c["strategy"] == strategy]
         rate = f" ({mine[0]['samples_per_s']:,.0f}/s)" if len(counts) == 1 else ""  # one count: labels would overlap
         median = [c["samples_per_s"] for c in mine]  # error bars: the slowest to the fastest timed epoch
         bars = [[m - c["rate_min"] for m, c in zip(median, mine, strict=True)],
                 [c["rate_max"] - m for m, c in zip(median, mine, strict=True)]]
-        left.errorbar([c["devices"] for c in mine], median, yerr=bars, fmt=marker + "-", markersize=8, capsize=5,
-                      alpha=0.8, label=strategy + rate)
+        left.errorbar([c["devices"] + dodge[strategy] for c in mine], median, yerr=bars, fmt=marker + "-",
+                      markersize=8, capsize=5, alpha=0.8, label=strategy + rate)
     ideal = next((c for c in report["cells"] if c["strategy"] == "single"),
                  next((c for c in report["cells"] if c["devices"] == 1), None))
     if ideal and len(counts) > 1:  # what N devices would do if each did what one did
@@ -305,8 +308,8 @@ def plot(report: dict, path: Path) -> None:
         here = sorted((c for c in report["cells"] if c["devices"] == n), key=lambda c: c["samples_per_s"])
         for rank, c in enumerate(here):
             mark = (" *" if c.get("noisy") else "") + (" !" if c.get("busy") else "")
-            left.annotate(f"{c['samples_per_s']:,.0f}{mark}", (n, c["samples_per_s"]), fontsize=7,
-                          textcoords="offset points", xytext=(8, -3 + 9 * (rank - (len(here) - 1) / 2)))
+            left.annotate(f"{c['samples_per_s']:,.0f}{mark}", (n + dodge[c["strategy"]], c["samples_per_s"]),
+                          fontsize=7, textcoords="offset points", xytext=(8, -3 + 9 * (rank - (len(here) - 1) / 2)))
     left.set(xticks=counts, xlabel="devices" if report["hardware"]["cards"] else "CPU processes",
              ylabel="training samples/s (median epoch; bars: min to max)", title="throughput and scaling")
     values = [r["rate_max"] for r in rows(report)] + [r["rate_min"] for r in rows(report)]
@@ -333,7 +336,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
     right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory",
-              ylim=(0, 1.2 * max(max(r["peak_memory_mb"]) for r in measured)))  # room for the legend above the bars
+              ylim=(0, 1.35 * max(max(r["peak_memory_mb"]) for r in measured)))  # the legend above the bars
     right.legend(fontsize=8)
     hw = report["hardware"]
     fig.suptitle(f"multicard bench: {report['config']['model']}; {hw['cpu']} ({hw['cores']} cores), "
