@@ -245,12 +245,14 @@ def _stop(processes: list, grace_s: float) -> None:
 def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder: str, launcher: int) -> None:
     """The body of a spawned process: fn(*args), and what became of it left in the job's folder."""
     _die_with(launcher)  # first of all: a launcher that is gone already, or goes later, takes this process along
-    for s in (signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs, nothing is left behind
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _raise_stopped)
     os.environ.update(job_env(rank, nprocs, port, folder))
     try:
         out = fn(*args)
+        if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
+            raise KeyboardInterrupt if _signalled[0] == signal.SIGINT else Stopped(_signalled[0])
     except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
         _fail(folder, rank, "said", f"rank {rank} was interrupted (SIGINT)")
     except Stopped as e:
@@ -265,7 +267,13 @@ def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder:
             pickle.dump(out, f)
 
 
+_signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
+
+
 def _raise_stopped(signum: int, frame: Any) -> None:
+    _signalled.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Stopped(signum)
 
 
