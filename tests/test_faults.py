@@ -30,6 +30,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
+def dispositions(ignore_sigint: bool) -> None:
+    """In the launcher before it runs: SIGINT ignored as under `cmd &` where asked, else the signals at their
+    defaults, whatever this test run inherited (a CI started in the background or under nohup ignores them)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Run:
     """`multicard train` in a new session (its own process group), its output read as it comes."""
 
@@ -38,7 +45,7 @@ class Run:
             [sys.executable, "-m", "multicard", *TRAIN, "--out", str(out), *extra], cwd=ROOT,
             env=clean_env(TMPDIR=str(out.parent)),  # what a killed launcher cannot clean up stays in the test's folder
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+            preexec_fn=lambda: dispositions(ignore_sigint))
         self.pid, self.lines, self.err = self.process.pid, queue.Queue(), []
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
         threading.Thread(target=lambda: self.err.extend(self.process.stderr), daemon=True).start()
