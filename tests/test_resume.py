@@ -359,3 +359,11 @@ def test_the_front_objects_save_and_load_resume_a_users_loop_exactly(tmp_path):
     assert first + rest == whole
     a, b = torch.load(tmp_path / "whole.pt", weights_only=True), torch.load(path, weights_only=True)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and b["step"] == 18
+
+
+def test_a_plain_state_dict_is_saved_plain(tmp_path):
+    """mc.save(path, model.state_dict()) writes what torch.save would: a one-card script loads it as it is."""
+    mc = multicard.Multicard("single", "cpu")
+    model = mc.setup(LeNet5())
+    mc.save(tmp_path / "plain.pt", model.state_dict())
+    LeNet5().load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))

@@ -362,8 +362,12 @@ class Multicard:
         Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
         a folder beside `path`, so there every rank must call it."""
         self._start()
-        self._saves += 1
         path = Path(path)
+        if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
+            if self.is_main:
+                checkpoint.save_state(path, state)
+            return
+        self._saves += 1
         own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
         if self.sharded:
             state, own["shards"] = shards.save(path, self._saves, state, self.unwrap)
