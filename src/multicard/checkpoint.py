@@ -81,12 +81,14 @@ def stateful_state(obj: Any) -> Any:
     return obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
 
 
-def load_state(path: str | Path, state: dict[str, Any], load_module: Callable | None = None) -> dict[str, Any]:
+def load_state(path: str | Path, state: dict[str, Any], load_module: Callable | None = None,
+               raw: Any = None) -> dict[str, Any]:
     """Load a save_state file into the objects of `state` (modules, optimizers, ...), replace its plain
     values, and return what the file holds besides the objects restored. A model's plain state_dict (a
     model.pt) loads into the one module of `state`. `load_module(module, state_dict)`: how a checked
-    state_dict goes into a module (default: its load_state_dict)."""
-    raw = read(path)
+    state_dict goes into a module (default: its load_state_dict). `raw`: the file's contents, where the
+    caller has read them already."""
+    raw = read(path) if raw is None else raw
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     if is_state_dict(raw) and len(modules) == 1 and modules[0] not in raw:
         raw = {modules[0]: raw}

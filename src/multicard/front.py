@@ -388,23 +388,23 @@ class Multicard:
         order goes on where it stopped (same global batch; fsdp's shards are resharded), and the random streams
         start afresh."""
         self._start()
-        if state is None:
-            return checkpoint.read(path)
         path = Path(path)
-        head = checkpoint.read(path)
+        head = checkpoint.read(path)  # read once: the objects below are restored from it
         info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
-        if info is not None and not self.sharded:
+        if state is None:
+            raw = head
+        elif info is not None and not self.sharded:
             raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
                              f"strategy fsdp (its model.pt holds the whole model for any strategy)")
-        if info is not None:
+        elif info is not None:
             models, optimizers = shards.split(state)
             shards.load(path, info, state, self.unwrap)
             rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
-            raw = checkpoint.load_state(path, rest)
+            raw = checkpoint.load_state(path, rest, raw=head)
             state.update(rest)  # the plain values read
         else:
-            raw = checkpoint.load_state(path, state, self._load_module)
-        own = raw.pop(OWN, None)
+            raw = checkpoint.load_state(path, state, self._load_module, head)
+        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
         if own is not None:
             self._restore(path, own)
         return raw
