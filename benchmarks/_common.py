@@ -38,11 +38,13 @@ def source() -> str:
     return git("rev-parse", "--short", "HEAD") + (" + uncommitted src/ changes" if git("status", "-s", "src") else "")
 
 
-def parse_args(doc: str, default_out: str) -> argparse.Namespace:
+def parse_args(doc: str, default_out: str, extra: Callable | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs (after one warm-up epoch)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--out", type=Path, default=Path(default_out))
+    if extra is not None:  # a script's own flags
+        extra(parser)
     return parser.parse_args()
 
 
@@ -80,7 +82,7 @@ def interleaved(names: Sequence[str], repeats: int, run: Callable[[str], tuple[f
 
 def report(benchmark: str, column: str, heading: str, rates: dict[str, list[float]],
            accs: dict[str, list[float]], summary_rates: list[float], settings: dict, hardware: dict,
-           out: Path) -> None:
+           out: Path, per_step: int | None = None) -> None:
     """Prints the markdown table (the first name against each other one, by medians) and writes the JSON."""
     names = list(rates)
     first = names[0]
@@ -88,12 +90,14 @@ def report(benchmark: str, column: str, heading: str, rates: dict[str, list[floa
     best = {n: max(v) for n, v in rates.items()}  # the least disturbed run of each, on a shared machine
     ratios = {f"{first}/{n}": medians[first] / medians[n] for n in names[1:]}
     print(f"\n{heading}\n")
-    print(f"| {column} | median samples/s | best | runs | median test acc | multicard / this (medians) |")
-    print("|---|---:|---:|---|---:|---:|")
+    step = " µs/step (median) |" if per_step else ""  # with a batch size given: the time of one step too
+    print(f"| {column} | median samples/s | best | runs | median test acc | multicard / this (medians) |{step}")
+    print("|---|---:|---:|---|---:|---:|" + "---:|" * bool(per_step))
     for n in names:
         ratio = f"{ratios[f'{first}/{n}']:.2f}x" if n != first else "-"
+        micro = f" {1e6 * per_step / medians[n]:,.0f} |" if per_step else ""
         print(f"| {n} | {medians[n]:,.0f} | {best[n]:,.0f} | {', '.join(f'{r:,.0f}' for r in rates[n])} | "
-              f"{statistics.median(accs[n]):.2%} | {ratio} |")
+              f"{statistics.median(accs[n]):.2%} | {ratio} |{micro}")
     result = {
         "benchmark": benchmark, "medians_samples_per_s": medians, "ratios": ratios, "best_samples_per_s": best,
         "runs_samples_per_s": rates, "test_accuracy": accs,

@@ -85,7 +85,8 @@ def run_multicard(train, test, epochs: int) -> tuple[float, float, float]:
     model = LeNet5()
     with tempfile.TemporaryDirectory() as out:
         summary = multicard.train(model, train, test, strategy="ddp", devices=f"cpu:{PROCS}", epochs=epochs + 1,
-                                  batch_size=BATCH, lr=LR, seed=SEED, augment=False, quiet=True, out=out)
+                                  batch_size=BATCH, lr=LR, scheduler="step", seed=SEED, augment=False, quiet=True,
+                                  out=out)
         rate = timed_rate(out)
     return rate, summary["train_samples_per_s"], summary["test_accuracy"]
 

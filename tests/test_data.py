@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from multicard import data
@@ -559,3 +560,14 @@ def test_training_order_as_a_tensor_is_distributed_samplers_order(size, world):
             torchs.set_epoch(epoch)
             assert ours.order().tolist() == list(ours) == list(torchs)  # padding (size 2 over 5 ranks) included
             assert len(ours) == len(torchs)
+
+
+def test_auto_device_data_holds_what_fits_in_a_quarter_of_the_cards_free_memory():
+    from multicard.data.loaders import on_card
+
+    data = TensorDataset(torch.zeros(1000, 256), torch.zeros(1000, dtype=torch.int64))  # 1,032,000 bytes
+    card = torch.device("cuda", 0)  # only named: the free memory is given, CUDA is never asked
+    assert on_card(data, card, free=4 * 1_032_000) == (True, "")
+    fits, why = on_card(data, card, free=4 * 1_032_000 - 4)
+    assert not fits and "more than a quarter of cuda:0's free memory" in why and "--device-data" in why
+    assert on_card(data, torch.device("cpu")) == (False, "")  # on the CPU the data is in memory already

@@ -22,7 +22,7 @@ from multicard.models import LeNet5
 from multicard.parity import check
 from multicard.strategies.ddp import DDP
 
-FAST = dict(quiet=True, augment=False, lr=3e-3, seed=0)
+FAST = dict(quiet=True, augment=False, lr=3e-3, scheduler="step", seed=0)
 
 
 class ThreadCheckedLeNet(LeNet5):
@@ -230,3 +230,14 @@ def test_a_local_rank_beyond_the_cards_is_one_clear_error():
     job = Job(rank=2, world=3, local_rank=2, local_world=3, launcher="torchrun")
     with pytest.raises(multicard.UsageError, match="local rank 2 has no card: 2 visible"):
         DDP(Devices("cuda", (0, 1)), job).start(job)
+
+
+def test_ddp_with_one_process_pays_for_no_reduction():
+    from torch.nn.parallel import DistributedDataParallel
+
+    with multicard.Multicard("ddp", "cpu") as mc:
+        model = mc.setup(LeNet5())
+        assert mc.strategy == "ddp" and mc.world_size == 1
+        assert not isinstance(model.forward_module, DistributedDataParallel)  # nobody to reduce with
+        assert mc.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0] and mc.gather({"a": 1}) == [{"a": 1}]
+        mc.barrier()

@@ -313,3 +313,15 @@ def test_cuda_batch_smaller_than_the_cards_is_an_error(tmp_path):
     r = run_cli("train", "--strategy", "dp", "--devices", "cuda", "--batch-size", "1", "--quiet",
                 "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "is smaller than the" in r.stderr
+
+
+class OneCard(Balanced):
+    """dp-balanced over one "card" (the CPU): nothing to scatter, nothing to combine."""
+    cards = ["cpu"]
+
+
+def test_dp_balanced_on_one_card_is_the_model_itself():
+    strategy = OneCard(Devices("cpu", (0,)))
+    model, criterion = LeNet5(), nn.CrossEntropyLoss()
+    assert strategy.wrap_model(model) is model and strategy.wrap_loss(criterion) is criterion
+    assert isinstance(CPUBalanced(Devices("cpu", (0,))).wrap_model(model), ParallelModel)

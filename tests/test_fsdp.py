@@ -16,7 +16,8 @@ from multicard.models import LeNet5, WideMLP
 from multicard.parity import check
 from multicard.strategies.fsdp import units
 
-PLAIN = dict(quiet=True, augment=False, lr=3e-3, batch_size=24, epochs=2)  # 96 samples: 4 steps per epoch
+# 96 samples: 4 steps per epoch
+PLAIN = dict(quiet=True, augment=False, lr=3e-3, scheduler="step", batch_size=24, epochs=2)
 
 
 def fsdp_run(out, devices: str, **overrides) -> dict:

@@ -107,13 +107,13 @@ def test_accumulation_in_a_users_loop_matches_whole_batches():
 @pytest.mark.parametrize("options, expected", [
     (dict(optimizer="sgd", momentum=0.5, nesterov=True, weight_decay=1e-4), ("SGD", "momentum", 0.5)),
     (dict(optimizer="adamw", weight_decay=0.01), ("AdamW", "weight_decay", 0.01)),
-    (dict(), ("Adam", "lr", 1e-3)),
+    (dict(), ("Adam", "lr", 8e-3)),  # the auto rate at the auto batch of 256
 ])
 def test_the_optimizer_flags_build_that_optimizer(tmp_path, options, expected, monkeypatch):
     seen = []
     real = multicard.run.make_optimizer
     monkeypatch.setattr(multicard.run, "make_optimizer", lambda *a: seen.append(real(*a)) or seen[-1])
-    train(tmp_path, epochs=1, **options)
+    train(tmp_path, epochs=1, scheduler="none", **options)  # onecycle would set its own momentum and rate
     name, key, value = expected
     assert type(seen[0]).__name__ == name and seen[0].param_groups[0][key] == value
 
@@ -128,7 +128,7 @@ def test_cosine_with_warmup_logs_the_rate_each_epoch_used(tmp_path):
 
 
 def test_step_schedule_is_the_seeds_steplr(tmp_path):
-    train(tmp_path, epochs=3, lr=0.01, lr_step=1, lr_gamma=0.5)
+    train(tmp_path, epochs=3, lr=0.01, scheduler="step", lr_step=1, lr_gamma=0.5)
     assert [r["lr"] for r in epochs_of(tmp_path)] == pytest.approx([0.01, 0.005, 0.0025])
 
 
@@ -285,3 +285,35 @@ def test_batchnorm_passes_the_check_with_sync_bn_and_fails_without():
 def test_the_check_refuses_a_tolerance_that_is_no_bound(tolerance):
     with pytest.raises(UsageError, match="--tolerance"):
         check(TrainConfig(**CHECK), steps=1, tolerance=tolerance)
+
+
+# -- the auto recipe (docs/recipes.md) ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given, processes, batch, lr", [
+    (dict(), 1, 256, None),
+    (dict(), 3, 255, None),  # 256 rounded down to 3 processes
+    (dict(accumulate=2), 3, 252, None),  # ... and to 2 micro-batches of each
+    (dict(batch_size=64), 1, 64, None),  # a given batch stays; the rate follows it by sqrt(64 / 256)
+    (dict(batch_size=64, lr=0.01), 2, 64, 0.01),  # a given rate stays
+    (dict(optimizer="sgd"), 1, 256, None),
+])
+def test_the_auto_recipe_settles_batch_and_rate_for_the_job(given, processes, batch, lr):
+    from multicard.config import BATCH, LR
+    config = TrainConfig(**given).settled(processes)
+    expected = lr if lr is not None and "lr" in given else LR[config.optimizer] * math.sqrt(batch / BATCH)
+    assert config.batch_size == batch and config.lr == pytest.approx(expected)
+    assert TrainConfig(**given).batch_size == given.get("batch_size")  # settling makes a new config
+
+
+@pytest.mark.slow
+def test_the_auto_batch_splits_where_a_fixed_one_would_not(tmp_path):
+    summary, _ = train(tmp_path, epochs=1, strategy="ddp", devices="cpu:3")
+    assert summary["global_batch_size"] == 255 and summary["per_process_batch_size"] == 85
+    assert summary["config"]["lr"] == pytest.approx(multicard.config.LR["adam"] * math.sqrt(255 / 256))
+
+
+def test_auto_and_numbers_on_the_command_line():
+    from multicard.cli import config_from, parser
+    args = parser().parse_args(["train", "--batch-size", "auto", "--lr", "0.01"])
+    assert config_from(args).batch_size is None and config_from(args).lr == 0.01
+    assert "(default: auto)" in parser()._subparsers._group_actions[0].choices["train"].format_help()

@@ -21,7 +21,8 @@ EPOCH_KEYS = {"epoch", "train_loss", "test_loss", "test_accuracy", "lr", "sample
 SUMMARY_KEYS = {"strategy", "world_size", "devices", "epochs", "global_batch_size", "test_accuracy", "test_samples",
                 "train_samples_per_s", "wall_s", "peak_memory_mb"}
 # 192 bright-square images, Adam 4e-3 halved every epoch: 100% test accuracy in 3 epochs for every seed tried
-RECIPE = dict(strategy="single", devices="cpu", epochs=3, batch_size=16, lr=4e-3, lr_step=1, lr_gamma=0.5,
+RECIPE = dict(strategy="single", devices="cpu", epochs=3, batch_size=16, lr=4e-3, scheduler="step", lr_step=1,
+              lr_gamma=0.5,
               augment=False, quiet=True, seed=0)
 
 
@@ -247,3 +248,38 @@ def test_a_diverging_run_is_one_clear_error_and_keeps_the_earlier_run(tmp_path):
     with pytest.raises(UsageError, match=r"epoch 1: the training loss is nan: training diverged; try a smaller --lr"):
         train_lenet(tmp_path, lr=1e9)
     assert shown(tmp_path) == earlier
+
+
+class Flat(nn.Module):
+    """A user's conv model that flattens with .view(): it would fail on channels-last activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.conv2, self.fc = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3), nn.Linear(4 * 26 * 26, 10)
+
+    def forward(self, x):
+        x = self.conv2(self.conv(x))
+        return self.fc(x.view(len(x), -1))
+
+
+@pytest.mark.parametrize("model, given, used", [(LeNet5, None, True), (LeNet5, False, False), (Flat, None, False)])
+def test_channels_last_is_on_for_the_built_in_conv_models_only(tmp_path, monkeypatch, model, given, used):
+    formats = []
+    real = multicard.run.make_optimizer
+
+    def spy(params, *rest):
+        formats.extend(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                       for p in params if p.dim() == 4 and p.shape[1] > 1)  # (one channel: both layouts agree)
+        return real(params, *rest)
+
+    monkeypatch.setattr(multicard.run, "make_optimizer", spy)
+    torch.manual_seed(0)
+    trained = model()
+    summary = multicard.train(trained, tiny_images(64, 0), tiny_images(20, 1), out=str(tmp_path),
+                              **{**RECIPE, "epochs": 1, "channels_last": given})
+    assert formats and all(f == used for f in formats)
+    assert summary["config"]["channels_last"] is used and summary["config"]["device_data"] is False
+    fresh = model()
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain weights either way
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values(),
+                                                     strict=True))

@@ -6,9 +6,13 @@ Imports stay light here (no torch at module level): `multicard --help` must answ
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import MISSING, fields
+from typing import Any
 
 from .config import STRATEGIES, TrainConfig
 from .errors import UsageError
@@ -18,13 +22,24 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig | No
     for f in fields(TrainConfig):
         default = getattr(defaults, f.name) if defaults else (f.default if f.default is not MISSING else None)
         flag = "--" + f.name.replace("_", "-")
-        help = f"{f.metadata.get('help', '')} (default: {default})"
-        if f.type in ("bool", bool):
+        help = f"{f.metadata.get('help', '')} (default: {'auto' if default is None else default})"
+        kind = str(f.type).removesuffix(" | None")  # None: auto, settled for the job
+        if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=default, help=help, metavar=f.name.upper(),
-                                choices=f.metadata.get("choices"))
+            number = {"int": int, "float": float}.get(kind, str)
+            parser.add_argument(flag, type=auto_or(number) if default is None else number, default=default,
+                                help=help, metavar=f.name.upper(), choices=f.metadata.get("choices"))
+
+
+def auto_or(number: type) -> Callable[[str], Any]:
+    """An argparse type that also takes "auto" (None: the value the job settles on)."""
+
+    def parse(text: str) -> Any:
+        return None if text == "auto" else number(text)
+
+    parse.__name__ = number.__name__  # argparse names the type in its error: "invalid int value: 'x'"
+    return parse
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
@@ -159,3 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
         return 130
+
+
+def entry() -> None:
+    """The `multicard` command (and `python -m multicard`): main(), then a quick exit. Python's own shutdown
+    after torch has been imported tears down thousands of modules one by one, ~0.9 s of every command on 2 CPU
+    cores (benchmarks/RESULTS.md); the exit handlers run and the streams are flushed first, and where a
+    non-daemon thread is still running the exit is the usual one, which waits for it."""
+    code = main()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -6,7 +6,7 @@ This module must not import torch: `multicard --help` reads it and must answer a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import UsageError
 from .observe import need_tensorboard
@@ -17,6 +17,9 @@ def opt(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+# the auto recipe (docs/recipes.md): the global batch, the passes, and the peak rate of each optimizer at that batch
+BATCH, EPOCHS = 256, 16
+LR = {"adam": 8e-3, "adamw": 8e-3, "sgd": 0.1}
 STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced", "fsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
@@ -49,14 +52,18 @@ class TrainConfig:
     # a model without unused parameters would pay for the extra graph walk for nothing
     find_unused_parameters: bool = opt(False, "ddp: allow parameters that get no gradient")
 
-    # the recipe: the seeds' Adam 1e-3 + StepLR, plus light augmentation
-    # 30 epochs of 4,000 augmented images reach ~98% on mnist-5k in ~25 s on 2 CPU cores
-    epochs: int = opt(30, "passes over the training data")
+    # the recipe (docs/recipes.md): Adam with a one-cycle rate, batch 256, light augmentation; None is "auto",
+    # settled for the job by TrainConfig.settled. The seeds' recipe is --batch-size 64 --lr 1e-3 --scheduler step
+    # --epochs 30 (twice the time for +0.1 point)
+    epochs: int = opt(EPOCHS, "passes over the training data")
     # GLOBAL batch: samples per optimizer step, whatever the strategy (ddp splits it per process)
-    batch_size: int = opt(64, "global batch size: samples per optimizer step, split over processes")
+    batch_size: int | None = opt(None, f"global batch size: samples per optimizer step, split over processes "
+                                 f"(auto: {BATCH}, rounded down to a multiple of the processes)")
     # evaluation keeps no activations for backward, so it can take big batches
     eval_batch_size: int = opt(1000, "global batch size for evaluation")
-    lr: float = opt(1e-3, "learning rate (the peak, after any warm-up; Adam's 1e-3 is the seeds' value)")
+    lr: float | None = opt(None, f"learning rate: the peak, after any warm-up (auto: {LR['adam']:g} for adam and "
+                           f"adamw, {LR['sgd']:g} for sgd at batch {BATCH}, scaled by the square root of the batch's "
+                           f"ratio to {BATCH})")
     # the seeds' Adam; SGD with momentum for the classic recipes; AdamW decouples the weight decay
     optimizer: str = opt("adam", "adam, adamw or sgd", choices=OPTIMIZERS)
     # SGD's usual momentum; Adam and AdamW keep their own betas
@@ -65,7 +72,7 @@ class TrainConfig:
     # 0: no decay; AdamW's decay is decoupled from the gradient, the others add it to the gradient
     weight_decay: float = opt(0.0, "weight decay (L2 for adam and sgd, decoupled for adamw)")
     # step: the seeds' StepLR, once per epoch; cosine and onecycle change the rate every optimizer step
-    scheduler: str = opt("step", "step (StepLR per epoch), cosine, onecycle or none (per optimizer step)",
+    scheduler: str = opt("onecycle", "onecycle, cosine, none (per optimizer step) or step (StepLR per epoch)",
                          choices=SCHEDULERS)
     # the seeds step the rate down with StepLR; here counted in epochs
     lr_step: int = opt(20, "step: multiply the rate by --lr-gamma every this many epochs")
@@ -83,8 +90,13 @@ class TrainConfig:
     # data is held in memory and indexed a batch at a time: loader processes rarely pay off
     workers: int = opt(0, "DataLoader worker processes per training process")
 
-    # the fast path for small models: data lives on the device, batches are cut there, no DataLoader at all
-    device_data: bool = opt(False, "hold the whole dataset on the device and index batches there")
+    # the fast path for small models: data lives on the card, batches are cut and augmented there, no DataLoader
+    device_data: bool | None = opt(None, "hold the whole dataset on the device and cut (and augment) batches there "
+                                   "(auto: on a card when it fits in a quarter of the card's free memory)")
+    # conv kernels on CPUs and cards run faster on NHWC; a user's model may .view() its activations, so auto
+    # leaves it alone
+    channels_last: bool | None = opt(None, "conv weights and activations in channels-last (NHWC) layout "
+                                     "(auto: on for the built-in conv models, off for your own)")
     # exact fp32 stays the default; bf16 autocast is faster on cards at a small cost in precision; fp16 needs a
     # gradient scaler (steps with inf/nan gradients are skipped, and counted in the summary)
     precision: str = opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + gradient scaler)", choices=PRECISIONS)
@@ -117,10 +129,22 @@ class TrainConfig:
     progress_every: float = opt(30.0, "seconds between plain progress lines when stderr is not a terminal "
                                 "(0: none)")
 
+    def settled(self, processes: int = 1) -> TrainConfig:
+        """This config with its auto values made concrete for a job of `processes` (the rule of
+        docs/recipes.md): the batch is 256 rounded down to a multiple of processes x accumulate, the rate the
+        optimizer's peak at 256 scaled by sqrt(batch / 256). Settled fields stay as they are."""
+        batch = self.batch_size
+        if batch is None:
+            parts = processes * self.accumulate
+            batch = max(parts, BATCH // parts * parts)
+        lr = self.lr if self.lr is not None else LR[self.optimizer] * math.sqrt(batch / BATCH)
+        return replace(self, batch_size=batch, lr=lr)
+
     def validate(self) -> None:
         """Refuse settings that cannot work, before anything runs (torch would fail later, some after an epoch).
         The library calls this too: TrainConfig(precision="fp8") is refused, never trained in fp32."""
         for flag, value, least in (("--epochs", self.epochs, 1), ("--lr-step", self.lr_step, 1),
+                                   ("--batch-size", 1 if self.batch_size is None else self.batch_size, 1),
                                    ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1),
                                    ("--accumulate", self.accumulate, 1), ("--save-every", self.save_every, 0),
                                    ("--save-every-steps", self.save_every_steps, 0),
@@ -128,7 +152,8 @@ class TrainConfig:
                                    ("--max-restarts", self.max_restarts, 0)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
-        for flag, value in (("--lr", self.lr), ("--lr-gamma", self.lr_gamma), ("--timeout", self.timeout)):
+        for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma),
+                            ("--timeout", self.timeout)):
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
         for flag, value in (("--weight-decay", self.weight_decay), ("--clip-grad-norm", self.clip_grad_norm),

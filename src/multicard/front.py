@@ -247,7 +247,7 @@ class Multicard:
         return self._strategy.wrap_loss(criterion)
 
     def setup_dataloader(self, loader: DataLoader, train: bool = True, *, global_batch: bool = True,
-                         device_data: bool = False, accumulate: int = 1) -> Sharded:
+                         device_data: bool | str | None = False, accumulate: int = 1) -> Sharded:
         """This process's share of `loader`, its batches on the device, reshuffled on each pass.
 
         Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
@@ -256,7 +256,8 @@ class Multicard:
         batch must split over the processes. global_batch=False keeps batch_size per process instead.
         train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
         DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
-        holds a TensorDataset on the device and cuts batches there.
+        holds a TensorDataset on the device and cuts batches there; "auto" does that on a card when the tensors
+        take at most a quarter of its free memory (else says so, and copies each batch).
 
         accumulate=K: batch_size stays the samples per optimizer step, served as K micro-batches; after each,
         `loader.step_ends` says whether it ends its step and `loader.share` is its part of the step's samples

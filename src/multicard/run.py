@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from . import checkpoint
 from .config import TrainConfig
+from .data.loaders import on_card
 from .errors import UsageError
 from .front import Multicard
 from .launcher import RankFailed, said
@@ -64,6 +65,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
+    config = config.settled(mc.world_size)  # the auto batch and rate, for this many processes
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
     recipe = (optimizer, scheduler, step_scheduler_every)
@@ -131,6 +133,12 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
     name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own
+    # the auto choices, settled for this process (and so recorded in summary.json's config)
+    config = config.settled(mc.world_size)
+    config = replace(config, channels_last=nhwc(model, config, mc),
+                     device_data=held_on_device(train_data, test_data, config, mc))
+    if config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     model = mc.setup(model)
     optimizer = mc.setup_optimizers(make_optimizer(list(model.parameters()), config, given_optimizer))
     loss_fn = mc.setup_criterion(criterion)
@@ -168,6 +176,32 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
         report.finish(summary, final)
     mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
     return summary
+
+
+def held_on_device(train_data: Dataset, test_data: Dataset | None, config: TrainConfig, mc: Multicard) -> bool:
+    """--device-data as given; auto: on a card, when both sets are tensors that take at most a quarter of its
+    free memory (else one line says so, and batches are copied from host memory)."""
+    if config.device_data is not None:
+        return config.device_data
+    sets = [d for d in (train_data, test_data) if d is not None]
+    if mc.device.type != "cuda" or not all(isinstance(d, TensorDataset) for d in sets):
+        return False
+    both = TensorDataset(*(t for d in sets for t in d.tensors))  # (a container to measure; nothing is copied)
+    fits, why = on_card(both, mc.device)
+    if why and mc.is_main:
+        say(why)
+    return fits
+
+
+def nhwc(model: nn.Module, config: TrainConfig, mc: Multicard) -> bool:
+    """Whether to store the model's conv weights channels-last: as --channels-last says; auto: for the built-in
+    conv models (which say so) on the CPU, where it makes LeNet-5's steps ~25% faster (benchmarks/RESULTS.md).
+    Not under fsdp, whose shards are cut from contiguous parameters."""
+    if mc.sharded:
+        return False
+    if config.channels_last is not None:
+        return config.channels_last
+    return getattr(model, "channels_last", False) and mc.device.type == "cpu"
 
 
 def summarize(mc: Multicard, model: nn.Module, history: list[dict], config: TrainConfig, local_batch: int,

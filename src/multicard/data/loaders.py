@@ -4,6 +4,7 @@ share of one global order, batches moved to the device, and the epoch advanced o
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -207,8 +208,8 @@ class Sharded:
 
 
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
-          local_batch: Callable[..., int], seed: int, global_batch: bool = True, device_data: bool = False,
-          accumulate: int = 1) -> Sharded:
+          local_batch: Callable[..., int], seed: int, global_batch: bool = True,
+          device_data: bool | str | None = False, accumulate: int = 1) -> Sharded:
     """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
@@ -219,7 +220,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         raise UsageError("an IterableDataset cannot be dealt out by index: give each process its own part "
                          "(mc.rank of mc.world_size), or use a map-style dataset")
     if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
-        if device_data:
+        if device_data is True:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
         return Sharded(loader, loader, device, accumulate)
     if loader.batch_size is None:
@@ -247,6 +248,10 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     else:
         order = ShardSampler(len(dataset), rank, world)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
+    if device_data in (None, "auto"):
+        device_data, why = on_card(dataset, device) if whole_batches else (False, "")
+        if why and rank == 0:
+            print(f"multicard: {why}", file=sys.stderr, flush=True)
     if device_data and not whole_batches:
         raise UsageError("device_data=True needs a TensorDataset and the default collate_fn")
     if whole_batches and (device_data or loader.num_workers == 0):
@@ -257,6 +262,21 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     else:
         inner = DataLoader(dataset, batch_size=local, sampler=order, collate_fn=loader.collate_fn, **kept)
     return Sharded(inner, loader, device, accumulate)
+
+
+def on_card(dataset: TensorDataset, device: torch.device, free: int | None = None) -> tuple[bool, str]:
+    """device_data "auto": whether to hold `dataset` on `device`, and why not where it falls back. On a card: when
+    its tensors take at most a quarter of the card's free memory (`free`, asked of CUDA where not given); the
+    rest stays for the model, its activations and other loaders. On the CPU the data is in memory already."""
+    if device.type != "cuda":
+        return False, ""
+    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+    free = torch.cuda.mem_get_info(device)[0] if free is None else free
+    if size <= free // 4:
+        return True, ""
+    return False, (f"the data ({size / 2**20:,.0f} MB) is more than a quarter of {device}'s free memory "
+                   f"({free / 2**20:,.0f} MB): its batches are copied from host memory each step "
+                   f"(--device-data puts it on the card anyway)")
 
 
 def to_device(batch, device: torch.device):

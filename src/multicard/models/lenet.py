@@ -5,6 +5,7 @@ from torch import nn
 
 class LeNet5(nn.Module):
     input_shape = (1, 28, 28)  # what one sample looks like: synthetic data is made to match
+    channels_last = True  # a conv net: faster in NHWC on the CPU (the trainer's --channels-last auto)
 
     def __init__(self, classes: int = 10, channels: int = 1):
         super().__init__()
