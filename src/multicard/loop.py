@@ -6,6 +6,7 @@ does, a user's own loop can do with the same calls. It never asks which strategy
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -86,6 +87,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             mc.log(epoch_scalars(record), done)
 
     saved = [-1]  # the step of the newest checkpoint: one step is written once
+    nothing = contextlib.nullcontext()
 
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
@@ -108,10 +110,12 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
         start, waited = time.perf_counter(), 0.0  # waited: in backward and checkpoints, where ranks meet
         for inputs, targets in train_loader:
             ends = train_loader.step_ends
-            with mc.no_backward_sync(model, enabled=not ends):  # no all-reduce until the step's last micro-batch
+            # no all-reduce until the step's last micro-batch (a step of one needs no context: ~6 µs a step saved)
+            with nothing if ends else mc.no_backward_sync(model):
                 loss = criterion(forward(inputs), targets)
                 began = time.perf_counter()
-                mc.backward(loss * train_loader.share)  # weighted by samples: the step's mean, not K means
+                share = train_loader.share  # weighted by samples: the step's mean, not K means (1: no extra op)
+                mc.backward(loss * share if share != 1 else loss)
                 waited += time.perf_counter() - began  # ddp waits for the slowest rank here: not our own time
             if first_loss is None:
                 first_loss = loss.item()  # the loss before any step: where "blown up" is measured from

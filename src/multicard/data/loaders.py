@@ -188,6 +188,8 @@ class Sharded:
         self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
         k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
         sizes = self.micro_batch_sizes() if k > 1 else []
+        # batches cut on the device already need no move (~5 µs a step)
+        there = isinstance(self.inner, InMemory) and self.inner.device == self.device
         for i, batch in enumerate(self.inner):
             if i < drop:
                 continue
@@ -196,7 +198,7 @@ class Sharded:
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             self.place = (epoch, skip + (i + 1 - drop) * g)
             progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
-            yield to_device(batch, self.device)
+            yield batch if there else to_device(batch, self.device)
         if ordered:
             self.sampler.start = 0
         self.place = None
