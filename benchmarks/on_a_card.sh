@@ -2,10 +2,12 @@
 # What a session with a CUDA card runs, in one go: the machine, the CUDA tests, the whole suite, the main job on
 # the card, and the bench sweeps. Logs and bench reports go to $1 (default runs/on-a-card), one file per step.
 # It runs from a checkout without installing multicard (PYTHONPATH=src), on whatever torch the machine has.
-# Usage: benchmarks/on_a_card.sh [OUT] [STEP ...]   steps: env cuda-tests suite train bench bench-bf16 bench-resnet8
+# Usage: benchmarks/on_a_card.sh [OUT] [STEP ...]
+#   steps: env cuda-tests suite train main-job loop tax graphs bench bench-bf16 bench-resnet8
+#   (issue 14's figures: main-job, loop, tax, graphs and bench; each writes its JSON into OUT)
 set -u
 out=${1:-runs/on-a-card}; shift || true
-steps=${*:-env cuda-tests suite train bench bench-bf16 bench-resnet8}
+steps=${*:-env cuda-tests suite train main-job loop tax graphs bench bench-bf16 bench-resnet8}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -28,6 +30,13 @@ print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; gi
     train) step train 300 bash -c "$mc train --devices 1 --out /tmp/train-single && \
 $mc train --strategy dp --devices 1 --out /tmp/train-dp && $mc train --strategy dp-balanced --devices 1 --out /tmp/train-bal && \
 $mc train --strategy ddp --devices 1 --out /tmp/train-ddp";;
+    main-job) step main-job 300 $py benchmarks/main_job.py --card --out "$out/main_job_card.json";;
+    loop) step loop 400 bash -c "$py benchmarks/loop_vs_plain.py --device cuda --out $out/loop_vs_plain_card.json && \
+$py benchmarks/loop_vs_plain.py --device cuda --model tiny --out $out/loop_vs_plain_card_tiny.json";;
+    tax) step tax 400 bash -c "$py benchmarks/strategy_tax.py --device cuda --model lenet5 --out $out/strategy_tax_card.json && \
+$py benchmarks/strategy_tax.py --device cuda --model tiny --out $out/strategy_tax_card_tiny.json";;
+    graphs) step graphs 400 bash -c "for extra in '' '--compile' '--compile --compile-mode reduce-overhead'; do \
+echo \"== batch 64 \$extra\"; $mc train --devices 1 --batch-size 64 --device-data --out /tmp/graphs \$extra | tail -2; done";;
     bench) rm -rf /tmp/bench-gpu; step bench 400 $mc bench --out /tmp/bench-gpu; bench_copy bench-gpu;;
     bench-bf16) rm -rf /tmp/bench-gpu-bf16; step bench-bf16 300 $mc bench --out /tmp/bench-gpu-bf16 --precision bf16 \
 --compile --no-baseline --strategies single --devices 1; bench_copy bench-gpu-bf16;;

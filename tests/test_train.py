@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import multicard
+import multicard.run
 from conftest import shown, tiny_images
 from multicard.config import TrainConfig
 from multicard.errors import UsageError
@@ -283,3 +284,17 @@ def test_channels_last_is_on_for_the_built_in_conv_models_only(tmp_path, monkeyp
     fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain weights either way
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values(),
                                                      strict=True))
+
+
+def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
+    modes = []
+
+    def compiled(model, mode="default"):  # what torch.compile would return, minus the minutes of compiling
+        modes.append(mode)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compiled)
+    train_lenet(tmp_path, epochs=1, compile=True, compile_mode="reduce-overhead")
+    assert modes == ["reduce-overhead"]
+    with pytest.raises(UsageError, match="--compile-mode fast: choose one of default, reduce-overhead"):
+        train_lenet(tmp_path, compile=True, compile_mode="fast")

@@ -24,6 +24,7 @@ STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced", "fsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 @dataclass
@@ -104,6 +105,10 @@ class TrainConfig:
     sync_bn: bool = opt(False, "ddp, fsdp: BatchNorm layers compute their statistics over all processes")
     # compiling costs tens of seconds up front; worth it only for long runs on cards
     compile: bool = opt(False, "torch.compile the model")
+    # reduce-overhead records the step's kernels as CUDA graphs and replays them: for small models on cards, where
+    # launching kernels one by one costs more than running them
+    compile_mode: str = opt("default", "with --compile: default, reduce-overhead (CUDA graphs) or max-autotune",
+                            choices=COMPILE_MODES)
 
     # never lose a run: checkpoints to resume from, restarts, and no silent hang
     save_every: int = opt(0, "write a checkpoint into --out/checkpoints every this many epochs (0: never)")
@@ -172,6 +177,7 @@ class TrainConfig:
             raise UsageError(f"--warmup-epochs {self.warmup_epochs:g}: longer than the run (--epochs {self.epochs})")
         for flag, value, allowed in (("--strategy", self.strategy, STRATEGIES), ("--optimizer", self.optimizer,
                                      OPTIMIZERS), ("--scheduler", self.scheduler, SCHEDULERS),
-                                     ("--precision", self.precision, PRECISIONS)):
+                                     ("--precision", self.precision, PRECISIONS),
+                                     ("--compile-mode", self.compile_mode, COMPILE_MODES)):
             if value not in allowed:
                 raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")

@@ -65,7 +65,8 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     What it logs goes through mc.log (rank 0's loggers, e.g. TensorBoard): the mean training loss and the rate
     every few optimizer steps, and each epoch's record at the optimizer step it ended on. Each record holds
     every rank's own time (`rank_seconds`), the slowest rank and its lag over the median."""
-    forward = torch.compile(model) if config.compile else model  # same weights; `model` stays saveable
+    # same weights; `model` stays saveable
+    forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader}
     history, first_loss, steps, carried = [], None, 0, None
     if resume is not None:
