@@ -219,7 +219,7 @@ def test_the_recipe_flags_on_the_command_line(tmp_path):
     out = run_cli("train", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.5", "--nesterov", "--weight-decay",
                   "1e-4", "--scheduler", "cosine", "--warmup-epochs", "0.5", "--accumulate", "2", "--clip-grad-norm",
                   "5", "--precision", "bf16", "--data", "synthetic", "--synthetic-samples", "256", "--epochs", "2",
-                  "--quiet", "--out", str(tmp_path))
+                  "--batch-size", "64", "--quiet", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["optimizer_steps"] == 8 and summary["accumulate"] == 2
@@ -317,3 +317,8 @@ def test_auto_and_numbers_on_the_command_line():
     args = parser().parse_args(["train", "--batch-size", "auto", "--lr", "0.01"])
     assert config_from(args).batch_size is None and config_from(args).lr == 0.01
     assert "(default: auto)" in parser()._subparsers._group_actions[0].choices["train"].format_help()
+
+
+def test_the_check_takes_its_own_batch_where_the_run_has_auto():
+    (result,) = check(TrainConfig(devices="cpu:2", data="synthetic", synthetic_samples=128), steps=2)  # 2 x 64
+    assert result.ok and result.steps == 2

@@ -14,7 +14,7 @@ with the ratio that tells a sum from an average.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from .front import Multicard, launch
 from .strategies import Strategy
 from .strategies.fsdp import full
 
+CHECK_BATCH = 64  # the global batch of the check where --batch-size is auto
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding
 NUDGE = 1e-7  # float32 rounding's size: the start of the reference run that measures the model's own sensitivity
 SENSITIVITY = 10  # weights may differ up to this many times what that nudge alone makes them differ
@@ -163,8 +164,11 @@ def runnable(config: TrainConfig) -> tuple[list[str], str]:
 
 def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
           strategies: list[str | Strategy] | None = None) -> list[Parity]:
-    """One Parity per strategy (those this machine can run, or `strategies`: names or Strategy objects)."""
+    """One Parity per strategy (those this machine can run, or `strategies`: names or Strategy objects). The
+    batch is the run's --batch-size; auto is the check's own 64 (20 steps of 64 fit mnist-5k)."""
     config.validate()
+    if config.batch_size is None:
+        config = replace(config, batch_size=CHECK_BATCH)
     if steps < 1:
         raise UsageError(f"--steps {steps}: must be at least 1")
     if not 0 <= tolerance < float("inf"):
