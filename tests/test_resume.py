@@ -367,3 +367,19 @@ def test_a_plain_state_dict_is_saved_plain(tmp_path):
     model = mc.setup(LeNet5())
     mc.save(tmp_path / "plain.pt", model.state_dict())
     LeNet5().load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
+
+
+def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
+    from multicard.config import TrainConfig
+    from multicard.resume import inherit
+
+    path = tmp_path / "state.pt"
+    torch.save({"config": {"batch_size": 256, "lr": 0.008}, "loader": {}, "steps": 3}, path)
+    assert (inherit(path, TrainConfig()).batch_size, inherit(path, TrainConfig()).lr) == (256, 0.008)
+    # on 3 processes the default would settle on 255, and the data order could not continue: the saved 256 is kept
+    # (and refused there in one line, as a given --batch-size 256 would be)
+    assert inherit(path, TrainConfig()).settled(3).batch_size == 256
+    given = TrainConfig(batch_size=64, lr=0.01)
+    assert inherit(path, given) is given
+    path.write_bytes(b"not a checkpoint")
+    assert inherit(path, TrainConfig()) == TrainConfig()  # describe() names the unreadable file

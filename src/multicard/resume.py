@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
 
@@ -69,6 +71,20 @@ def resolve(spec: str, out: str | Path) -> Path | None:
         raise UsageError(f"--resume {spec}: no checkpoint there (a step-N folder of --out/{FOLDER}, its state.pt, "
                          f"or auto)")
     return path
+
+
+def inherit(path: Path, config: TrainConfig) -> TrainConfig:
+    """`config` with the batch and the rate of the run that wrote checkpoint `path` where they are auto: a run
+    resumed on another number of processes goes on with the global batch it had (256 rounded to its processes)."""
+    if config.batch_size is not None and config.lr is not None:
+        return config
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+        batch, lr = int(saved["batch_size"]), float(saved["lr"])
+    except Exception:  # unreadable: describe() says so in one line
+        return config
+    return replace(config, batch_size=batch if config.batch_size is None else config.batch_size,
+                   lr=lr if config.lr is None else config.lr)
 
 
 def describe(path: Path, global_batch: int) -> str:

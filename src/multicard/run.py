@@ -30,7 +30,7 @@ from .memory import MB
 from .observe import TensorBoardLogger, straggler
 from .recipe import make_optimizer, make_scheduler
 from .report import FILES, OPTIONAL, Output, Report, say
-from .resume import describe, resolve
+from .resume import describe, inherit, resolve
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -65,6 +65,9 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
+    if config.resume:  # auto batch and rate: the resumed run's own
+        found = resolve(config.resume, config.out)
+        config = inherit(found, config) if found is not None else config
     config = config.settled(mc.world_size)  # the auto batch and rate, for this many processes
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
