@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 import zlib
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from multicard import data
+from multicard.config import TrainConfig
 from multicard.data import idx, mnist5k, synthetic
 from multicard.data.images import ImageData
 from multicard.data.loaders import GlobalOrder
@@ -565,9 +567,41 @@ def test_training_order_as_a_tensor_is_distributed_samplers_order(size, world):
 def test_auto_device_data_holds_what_fits_in_a_quarter_of_the_cards_free_memory():
     from multicard.data.loaders import on_card
 
-    data = TensorDataset(torch.zeros(1000, 256), torch.zeros(1000, dtype=torch.int64))  # 1,032,000 bytes
+    data = TensorDataset(torch.zeros(1000, 256), torch.zeros(1000, dtype=torch.int64)).tensors  # 1,032,000 bytes
     card = torch.device("cuda", 0)  # only named: the free memory is given, CUDA is never asked
     assert on_card(data, card, free=4 * 1_032_000) == (True, "")
     fits, why = on_card(data, card, free=4 * 1_032_000 - 4)
     assert not fits and "more than a quarter of cuda:0's free memory" in why and "--device-data" in why
     assert on_card(data, torch.device("cpu")) == (False, "")  # on the CPU the data is in memory already
+
+
+@pytest.mark.parametrize("free, held", [(10**9, True), (10**6, False)])
+def test_the_trainer_holds_train_and_test_sets_on_a_card_when_both_fit(monkeypatch, capsys, free, held):
+    import types
+
+    from multicard.run import held_on_device
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))  # a card, as CUDA would say
+    card = types.SimpleNamespace(device=torch.device("cuda", 0), is_main=True)
+    train, test = TensorDataset(torch.zeros(400, 784)), TensorDataset(torch.zeros(100, 784))  # 1.5 MB together
+    config = TrainConfig()
+    assert held_on_device(train, test, config, card) is held
+    assert ("the data (1.5 MB) is more than a quarter" in capsys.readouterr().out) is not held
+    assert held_on_device(train, test, replace(config, device_data=False), card) is False  # as given
+    assert held_on_device(train, None, config, types.SimpleNamespace(device=torch.device("cpu"))) is False
+
+
+def test_a_users_loader_takes_device_data_auto(monkeypatch):
+    from torch.utils.data import DataLoader
+
+    from multicard.data.loaders import InMemory, shard
+
+    data = TensorDataset(torch.arange(12.0).view(12, 1), torch.arange(12))
+    common = dict(train=True, rank=0, world=1, local_batch=lambda batch, k: batch, seed=0)
+    on_cpu = shard(DataLoader(data, 4), device=torch.device("cpu"), device_data="auto", **common)
+    assert isinstance(on_cpu.inner, InMemory) and [len(y) for _, y in on_cpu] == [4, 4, 4]
+    moved = []  # on a card with room: the tensors go there once (the move is recorded, not made)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**9, 10**9))
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, device, *a, **k: moved.append(str(device)) or t)
+    shard(DataLoader(data, 4), device=torch.device("cuda", 0), device_data="auto", **common)
+    assert moved == ["cuda:0", "cuda:0"]

@@ -189,8 +189,7 @@ def held_on_device(train_data: Dataset, test_data: Dataset | None, config: Train
     sets = [d for d in (train_data, test_data) if d is not None]
     if mc.device.type != "cuda" or not all(isinstance(d, TensorDataset) for d in sets):
         return False
-    both = TensorDataset(*(t for d in sets for t in d.tensors))  # (a container to measure; nothing is copied)
-    fits, why = on_card(both, mc.device)
+    fits, why = on_card([t for d in sets for t in d.tensors], mc.device)
     if why and mc.is_main:
         say(why)
     return fits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -251,7 +251,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         order = ShardSampler(len(dataset), rank, world)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
     if device_data in (None, "auto"):
-        device_data, why = on_card(dataset, device) if whole_batches else (False, "")
+        device_data, why = on_card(dataset.tensors, device) if whole_batches else (False, "")
         if why and rank == 0:
             print(f"multicard: {why}", file=sys.stderr, flush=True)
     if device_data and not whole_batches:
@@ -266,18 +266,18 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     return Sharded(inner, loader, device, accumulate)
 
 
-def on_card(dataset: TensorDataset, device: torch.device, free: int | None = None) -> tuple[bool, str]:
-    """device_data "auto": whether to hold `dataset` on `device`, and why not where it falls back. On a card: when
-    its tensors take at most a quarter of the card's free memory (`free`, asked of CUDA where not given); the
+def on_card(tensors: Iterable[torch.Tensor], device: torch.device, free: int | None = None) -> tuple[bool, str]:
+    """device_data "auto": whether to hold a dataset's `tensors` on `device`, and why not where it falls back. On a
+    card: when they take at most a quarter of the card's free memory (`free`, asked of CUDA where not given); the
     rest stays for the model, its activations and other loaders. On the CPU the data is in memory already."""
     if device.type != "cuda":
         return False, ""
-    size = sum(t.numel() * t.element_size() for t in dataset.tensors)
+    size = sum(t.numel() * t.element_size() for t in tensors)
     free = torch.cuda.mem_get_info(device)[0] if free is None else free
     if size <= free // 4:
         return True, ""
-    return False, (f"the data ({size / 2**20:,.0f} MB) is more than a quarter of {device}'s free memory "
-                   f"({free / 2**20:,.0f} MB): its batches are copied from host memory each step "
+    return False, (f"the data ({size / 2**20:,.1f} MB) is more than a quarter of {device}'s free memory "
+                   f"({free / 2**20:,.1f} MB): its batches are copied from host memory each step "
                    f"(--device-data puts it on the card anyway)")
 
 
