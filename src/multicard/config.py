@@ -55,7 +55,7 @@ class TrainConfig:
 
     # the recipe (docs/recipes.md): Adam with a one-cycle rate, batch 256, light augmentation; None is "auto",
     # settled for the job by TrainConfig.settled. The seeds' recipe is --batch-size 64 --lr 1e-3 --scheduler step
-    # --epochs 30 (twice the time for +0.1 point)
+    # --epochs 30 (2.7x the time on 2 CPU cores, and no better)
     epochs: int = opt(EPOCHS, "passes over the training data")
     # GLOBAL batch: samples per optimizer step, whatever the strategy (ddp splits it per process)
     batch_size: int | None = opt(None, f"global batch size: samples per optimizer step, split over processes "
@@ -94,10 +94,11 @@ class TrainConfig:
     # the fast path for small models: data lives on the card, batches are cut and augmented there, no DataLoader
     device_data: bool | None = opt(None, "hold the whole dataset on the device and cut (and augment) batches there "
                                    "(auto: on a card when it fits in a quarter of the card's free memory)")
-    # conv kernels on CPUs and cards run faster on NHWC; a user's model may .view() its activations, so auto
-    # leaves it alone
+    # conv kernels run ~20-25% faster in NHWC on the CPU (not yet measured on cards); a user's model may .view() its
+    # activations, so auto leaves it alone
     channels_last: bool | None = opt(None, "conv weights and activations in channels-last (NHWC) layout "
-                                     "(auto: on for the built-in conv models, off for your own)")
+                                     "(auto: on for the built-in conv models on the CPU; off for your own, and on "
+                                     "cards)")
     # exact fp32 stays the default; bf16 autocast is faster on cards at a small cost in precision; fp16 needs a
     # gradient scaler (steps with inf/nan gradients are skipped, and counted in the summary)
     precision: str = opt("fp32", "fp32, bf16 (autocast) or fp16 (autocast + gradient scaler)", choices=PRECISIONS)
