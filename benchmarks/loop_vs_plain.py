@@ -27,7 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multicard
+from multicard.config import TrainConfig
 from multicard.models import LeNet5
+from multicard.recipe import make_optimizer
 
 BATCH, LR, SEED = 64, 1e-3, 0
 
@@ -44,14 +46,6 @@ class Tiny(nn.Module):
 
 
 MODELS = {"lenet5": LeNet5, "tiny": Tiny}
-
-
-def adam(model: nn.Module) -> torch.optim.Optimizer:
-    """Adam as multicard builds it: fused where this torch can, for these parameters."""
-    try:
-        return torch.optim.Adam(model.parameters(), lr=LR, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.Adam(model.parameters(), lr=LR)
 
 
 @torch.no_grad()
@@ -77,7 +71,7 @@ def run_plain(kind: str, x, y, x_test, y_test, epochs: int, model_name: str, dev
     torch.manual_seed(SEED)
     device = torch.device(device)
     model = MODELS[model_name]().to(device)
-    optimizer = adam(model)
+    optimizer = make_optimizer(list(model.parameters()), TrainConfig(lr=LR))  # Adam as multicard builds it
     criterion = nn.CrossEntropyLoss()
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, pin_memory=device.type == "cuda")
     x_on, y_on = x.to(device), y.to(device)  # plain-indexing: the whole set on the device, once

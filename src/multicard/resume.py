@@ -73,28 +73,30 @@ def resolve(spec: str, out: str | Path) -> Path | None:
     return path
 
 
+def head(path: Path) -> dict:
+    """A checkpoint of multicard train, read lazily (its tensors stay on disk); one that is not is one line."""
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(raw, dict) or not {"loader", "steps", "config"} <= raw.keys():
+        raise UsageError(f"--resume {path}: not a checkpoint of multicard train (it has no place in the data)")
+    return raw
+
+
 def inherit(path: Path, config: TrainConfig) -> TrainConfig:
     """`config` with the batch and the rate of the run that wrote checkpoint `path` where they are auto: a run
     resumed on another number of processes goes on with the global batch it had (256 rounded to its processes)."""
     if config.batch_size is not None and config.lr is not None:
         return config
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
-        batch, lr = int(saved["batch_size"]), float(saved["lr"])
-    except Exception:  # unreadable: describe() says so in one line
-        return config
-    return replace(config, batch_size=batch if config.batch_size is None else config.batch_size,
-                   lr=lr if config.lr is None else config.lr)
+    saved = head(path)["config"]
+    return replace(config, batch_size=saved["batch_size"] if config.batch_size is None else config.batch_size,
+                   lr=saved["lr"] if config.lr is None else config.lr)
 
 
 def describe(path: Path, global_batch: int) -> str:
     """Check that a checkpoint can continue this run (before any process starts); say where it stopped."""
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors stay on disk
-    except Exception as e:
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(raw, dict) or not {"loader", "steps", "config"} <= raw.keys():
-        raise UsageError(f"--resume {path}: not a checkpoint of multicard train (it has no place in the data)")
+    raw = head(path)
     saved = raw["config"]["batch_size"]
     if saved != global_batch:
         raise UsageError(f"--resume {path}: that run's global batch was {saved}, this one's is {global_batch}: "
