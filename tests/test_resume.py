@@ -379,8 +379,9 @@ def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
     # on 3 processes the default would settle on 255, and the data order could not continue: the saved 256 is kept
     # (and refused there in one line, as a given --batch-size 256 would be)
     assert inherit(path, TrainConfig()).settled(3).batch_size == 256
-    given = TrainConfig(batch_size=64, lr=0.01)
-    assert inherit(path, given) is given
+    assert inherit(path, TrainConfig(batch_size=64)).batch_size == 64  # given: kept (describe() then refuses it)
+    with pytest.raises(UsageError, match="--lr 0.01: the run in .* has --lr 0.008, which a resume keeps"):
+        inherit(path, TrainConfig(lr=0.01))  # the loaded optimizer's rate would have overruled it, unsaid
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(UsageError, match="not a readable checkpoint"):  # one line, before any process starts
         inherit(path, TrainConfig())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -18,42 +19,99 @@ from .config import STRATEGIES, TrainConfig
 from .errors import UsageError
 
 
-def add_config_flags(parser: argparse.ArgumentParser, defaults: TrainConfig | None = None) -> None:
-    for f in fields(TrainConfig):
-        default = getattr(defaults, f.name) if defaults else (f.default if f.default is not MISSING else None)
-        flag = "--" + f.name.replace("_", "-")
-        help = f"{f.metadata.get('help', '')} (default: {'auto' if default is None else default})"
-        kind = str(f.type).removesuffix(" | None")  # None: auto, settled for the job
-        if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
-        else:
-            number = {"int": int, "float": float}.get(kind, str)
-            parser.add_argument(flag, type=auto_or(number) if default is None else number, default=default,
-                                help=help, metavar=f.name.upper(), choices=f.metadata.get("choices"))
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag or value answered in one line (not the whole usage) and exit 2."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's own signature)
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # named by the subcommand they were given to (argparse would name only `multicard`)
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            flag = extra[0].partition("=")[0]
+            self.fail(prog, f"{flag}: not a flag of {prog}" if flag.startswith("-") else f"{flag}: unexpected")
+        return parsed
+
+    def error(self, message: str):  # noqa: ANN201 (never returns)
+        self.fail(self.prog, plain(message))
+
+    def fail(self, prog: str, message: str):  # noqa: ANN201 (never returns)
+        self.exit(2, f"{prog}: {message} (see {prog} --help)\n")
 
 
-def auto_or(number: type) -> Callable[[str], Any]:
-    """An argparse type that also takes "auto" (None: the value the job settles on)."""
+def plain(message: str) -> str:
+    """argparse's error, said as the rest of multicard says errors: the flag, the value, what is wrong."""
+    if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*)' \(choose from (.*)\)", message):
+        return f"{m[1]} {m[2]}: choose one of {m[3].replace(chr(39), '')}"
+    if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: (.*)", message):
+        return f"{m[1]}: needs a value" if m[2].startswith("expected one argument") else f"{m[1]} {m[2]}"
+    if m := re.fullmatch(r"the following arguments are required: (.*)", message):
+        return f"name a command: {COMMANDS}" if m[1] == "command" else f"missing {m[1]}"
+    return message
+
+
+COMMANDS = "train, run, check, bench or env"
+NUMBERS = {"int": "a whole number", "float": "a number"}
+
+
+def value(kind: type, auto: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a number (its error one line: "abc: not a number"); with `auto`, also "auto" (None:
+    the value the job settles on)."""
 
     def parse(text: str) -> Any:
-        return None if text == "auto" else number(text)
+        if auto and text == "auto":
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text}: not {NUMBERS[kind.__name__]}"
+                                             + (" (or auto)" if auto else "")) from None
 
-    parse.__name__ = number.__name__  # argparse names the type in its error: "invalid int value: 'x'"
     return parse
 
 
+def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """A flag per TrainConfig field (or per field in `only`). A flag not given leaves no attribute behind
+    (argparse.SUPPRESS): given() tells the flags a user typed from the defaults, which --resume needs."""
+    for f in fields(TrainConfig):
+        if only is not None and f.name not in only:
+            continue
+        default = f.default if f.default is not MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata.get("help", "")
+        if "(default:" not in help:  # a help that says its default in words keeps them
+            help += f" (default: {'auto' if default is None else 'none' if default == '' else default})"
+        kind = str(f.type).removesuffix(" | None")  # None: auto, settled for the job
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help)
+        else:
+            number = {"int": int, "float": float}.get(kind)
+            parser.add_argument(flag, type=value(number, default is None) if number else str,
+                                default=argparse.SUPPRESS, help=help, metavar=f.name.upper(),
+                                choices=f.metadata.get("choices"))
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields the command line set, with their values."""
+    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+
+
 def config_from(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    return TrainConfig(**given(args))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from . import data, models
+    from .resume import inherit, resolve
     from .run import train
 
-    config = config_from(args)
+    flags = given(args)
+    config = TrainConfig(**flags)
     config.validate()
+    found = resolve(config.resume, config.out) if config.resume else None
+    if found is not None:  # the model and the data are the resumed run's, unless given (and then refused if other)
+        config = inherit(found, config, set(flags))
     torch.manual_seed(config.seed)  # the same initial weights in every process and every run
     model = models.build(config.model)
     shape = getattr(model, "input_shape", (1, 28, 28))
@@ -62,17 +120,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     if tuple(train_data.tensors[0].shape[1:]) != tuple(shape):
         raise UsageError(f"--model {config.model} takes {'x'.join(map(str, shape))} images, --data {config.data} "
                          f"has {'x'.join(map(str, train_data.tensors[0].shape[1:]))}; use --data synthetic")
-    train(model, train_data, test_data, config)
+    # the flags given, as overrides: what a resume does not take from its checkpoint (--model, which would clash
+    # with train's own argument, was checked against it above)
+    train(model, train_data, test_data, config, **{k: v for k, v in flags.items() if k != "model"})
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .parity import check
 
-    results = check(config_from(args), args.steps, args.tolerance)
+    results = check(config_from(args), args.steps, args.tolerance)  # only the flags check uses are taken
     for result in results:
         print("\n".join(result.lines()))
     return 0 if all(r.ok for r in results) else 1
+
+
+# what multicard check uses of a training run's flags; the others are refused (it would ignore them)
+CHECK_FLAGS = ("model", "data", "data_dir", "download", "synthetic_samples", "strategy", "devices", "batch_size",
+               "accumulate", "clip_grad_norm", "sync_bn", "seed")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -116,8 +181,11 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="multicard", description="Train PyTorch models on one CPU, one card or "
-                                "many, with one loop: --strategy single | ddp | dp | dp-balanced.")
+    from . import __version__
+
+    p = Parser(prog="multicard", description="Train PyTorch models on one CPU, one card or many, with one loop: "
+               "--strategy single | ddp | dp | dp-balanced | fsdp.")
+    p.add_argument("--version", action="version", version=f"multicard {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)")
     add_config_flags(t)
@@ -125,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="parity: K SGD steps on one device vs N (default: every card, else cpu:2), "
                        "gradients and weights compared, for ddp, dp and dp-balanced as this machine can run them, or "
                        "the one --strategy names (fsdp included)")
-    add_config_flags(c)
+    add_config_flags(c, CHECK_FLAGS)
     c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
     c.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest allowed difference of a gradient or a weight (default: 1e-4)")
@@ -134,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
                        description="Start SCRIPT (or -m MODULE) as every process of a job on this machine, like "
                        "torchrun; multicard.Multicard() inside picks the job up. The first failure stops all.")
     r.add_argument("--strategy", default="auto", choices=STRATEGIES,
-                   help="auto (ddp on 2+ devices, else single), single, ddp, dp or dp-balanced (default: auto)")
+                   help="auto (ddp on 2+ devices, else single), single, ddp, dp, dp-balanced or fsdp (default: auto)")
     r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
                    "(default: auto)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")

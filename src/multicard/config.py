@@ -182,3 +182,21 @@ class TrainConfig:
                                      ("--compile-mode", self.compile_mode, COMPILE_MODES)):
             if value not in allowed:
                 raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")
+
+
+def idle(config: TrainConfig, processes: int, steps_per_epoch: int, model: str, batchnorm: bool) -> list[str]:
+    """A line for each flag that has no effect on this run, and why (a flag that quietly does nothing would let a
+    user believe in checkpoints or statistics they do not have)."""
+    lines, steps = [], steps_per_epoch * config.epochs
+    epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
+    if config.save_every_steps > steps:
+        lines.append(f"--save-every-steps {config.save_every_steps}: no effect, this run has {steps} optimizer "
+                     f"steps ({epochs} of {steps_per_epoch}); it writes no checkpoint by steps")
+    if config.save_every > config.epochs:
+        lines.append(f"--save-every {config.save_every}: no effect, this run has {epochs}; it writes no "
+                     f"checkpoint by epochs")
+    if config.sync_bn and processes == 1:
+        lines.append("--sync-bn: no effect with one process (its BatchNorm statistics are the whole batch's)")
+    elif config.sync_bn and not batchnorm:
+        lines.append(f"--sync-bn: no effect, {model} has no BatchNorm layer")
+    return lines

@@ -15,7 +15,9 @@ from typing import Any
 
 from .errors import UsageError
 
-STRAGGLER = 0.2  # a rank this much over the median is named (2 ranks sharing 2 busy cores can reach it by noise)
+# a rank is named a straggler when its own time is this much over the median rank's AND this many seconds over
+# it: two ranks sharing two busy cores reach 20% by noise in a 0.1 s epoch, which no one needs told
+STRAGGLER, STRAGGLER_S = 0.2, 2.0
 
 
 def need_tensorboard(what: str = "TensorBoard logging") -> None:
@@ -83,6 +85,27 @@ def straggler(rank_seconds: list[float]) -> tuple[int, float]:
     return slowest, (rank_seconds[slowest] / median - 1 if median > 0 else 0.0)
 
 
+def straggles(record: dict) -> bool:
+    """Whether an epoch's record (or the summary) names a straggler worth a warning: its lag is large in relative
+    and in absolute time."""
+    seconds = record.get("rank_seconds") or ()
+    if len(seconds) < 2:
+        return False
+    return record["lag"] > STRAGGLER and max(seconds) - statistics.median(seconds) > STRAGGLER_S
+
+
+def crowded(processes: int) -> str:
+    """A line where the processes outnumber this machine's cores (then the ranks' times say more about the
+    system's scheduler than about a slow rank), else ""."""
+    from .devices import cpu_cores
+
+    cores = cpu_cores()
+    if processes <= cores:
+        return ""
+    return (f"{processes} processes share {cores} CPU cores: ranks wait for cores in turn, so their times differ "
+            f"by chance and no straggler is named")
+
+
 class Progress:
     """A plain line every `every` seconds (epoch, step, samples/s) for a log file or CI, where tqdm's bar is off.
     tick() is a clock read per batch: no host sync, nothing printed until `every` seconds have passed."""
@@ -124,10 +147,10 @@ def curves(history: list[dict], path: Path, title: str = "") -> None:
         acc.text(0.5, 0.5, "no test set", ha="center", va="center", transform=acc.transAxes, color="gray")
     lrs = [r["lr"] for r in history]
     lr.plot(epochs, lrs, color="tab:purple", **style)
-    if min(lrs) > 0 and max(lrs) / min(lrs) > 20:  # a decay over decades reads best on a log scale
+    if lrs and min(lrs) > 0 and max(lrs) / min(lrs) > 20:  # a decay over decades reads best on a log scale
         lr.set_yscale("log")
     else:  # from 0: a flat rate reads as flat, a staircase as steps
-        lr.set_ylim(0, 1.1 * max(max(lrs), 1e-12))
+        lr.set_ylim(0, 1.1 * max(lrs, default=1e-12) or 1e-12)
         lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     loss.legend()
     for ax, name in ((loss, "loss"), (acc, "test accuracy (%)"), (lr, "learning rate")):

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from . import checkpoint
 from .config import TrainConfig
 from .errors import UsageError
-from .observe import STRAGGLER, curves
+from .observe import crowded, curves, straggles
 
 
 def say(line: str) -> None:
@@ -136,7 +136,7 @@ class Report:
     def __init__(self, run: Path | None, config: TrainConfig, title: str = ""):
         self.run, self.config, self.active, self.title = run, config, run is not None, title
         self.history: list[dict] = []
-        self.warned: set[int] = set()  # stragglers named once: the epoch line goes on showing the lag
+        self.warned: set[int | str] = set()  # stragglers named once (the epoch line goes on showing the lag)
 
     def epoch(self, history: list[dict]) -> None:
         """The epochs so far (a resumed run's include those before it), the last one new: metrics.jsonl
@@ -153,22 +153,36 @@ class Report:
             if len(record.get("rank_seconds", ())) > 1 else ""
         say(f"epoch {record['epoch']}/{self.config.epochs}  train loss {record['train_loss']:.4f}{acc}  "
             f"lr {record['lr']:.1e}  {record['samples_per_s']:,.0f} samples/s  {record['seconds']:.1f} s{ranks}")
-        if ranks and record["lag"] > STRAGGLER and record["slowest_rank"] not in self.warned:
-            self.warned.add(record["slowest_rank"])
-            say("warning: " + straggling(record, f" in epoch {record['epoch']}"))
+        if straggles(record):
+            self.straggler(record, f" in epoch {record['epoch']}")
 
-    def finish(self, summary: dict, model_state: dict) -> None:
+    def straggler(self, record: dict, when: str) -> None:
+        """A warning naming the slow rank, once per rank; on a machine with fewer cores than processes, one line
+        saying so instead (once)."""
+        busy = crowded(len(record["rank_seconds"]))
+        key = "crowded" if busy else record["slowest_rank"]
+        if key not in self.warned:
+            self.warned.add(key)
+            say(busy if busy else "warning: " + straggling(record, when))
+
+    def finish(self, summary: dict, model_state: dict, history: list[dict]) -> None:
+        """The run's files; `history` holds every epoch (a resume of a finished run trains none, and writes its
+        files again from the checkpoint's)."""
+        (self.run / "metrics.jsonl").write_text("".join(json.dumps(strict(r)) + "\n" for r in history))
         checkpoint.write_atomic(model_state, self.run / "model.pt")
-        curves(self.history, self.run / "curves.png", self.title)
+        curves(history, self.run / "curves.png", self.title)
         (self.run / "summary.json").write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
         acc = f"test accuracy {summary['test_accuracy']:.2%} on {summary['test_samples']}, " \
             if "test_accuracy" in summary else ""
         memory_line = ", ".join(f"{m:,.0f}" for m in summary["peak_memory_mb"])
+        busy = crowded(len(summary["rank_seconds"]))
         used = ", ".join(f"{m:,.0f}" for m in summary["card_used_mb"])
         say(f"done: {acc}{summary['train_samples_per_s']:,.0f} train samples/s, {summary['wall_s']:.1f} s; "
             f"peak memory MB per {'card' if summary['devices'][0] != 'cpu' else 'process'}: [{memory_line}]"
             + (f"; in use per card (NVML): [{used}]" if used else "")
-            + (f"; {straggling(summary, ' over the run')}" if summary.get("lag", 0) > STRAGGLER else ""))
+            + (f"; {straggling(summary, ' over the run')}" if straggles(summary) and not busy else ""))
+        if straggles(summary) and busy:
+            self.straggler(summary, " over the run")
 
 
 def straggling(record: dict, when: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -84,22 +84,64 @@ def head(path: Path) -> dict:
     return raw
 
 
-def inherit(path: Path, config: TrainConfig) -> TrainConfig:
-    """`config` with the batch and the rate of the run that wrote checkpoint `path` where they are auto: a run
-    resumed on another number of processes goes on with the global batch it had (256 rounded to its processes)."""
-    if config.batch_size is not None and config.lr is not None:
-        return config
-    saved = head(path)["config"]
-    return replace(config, batch_size=saved["batch_size"] if config.batch_size is None else config.batch_size,
-                   lr=saved["lr"] if config.lr is None else config.lr)
+# A resumed run is the run it continues: it takes that run's recipe unless a flag says otherwise. These cannot
+# change half-way (the data order, the weights' history and the schedule's state depend on them): given otherwise,
+# they are refused. The global batch is checked by describe(), once it is settled for the job.
+KEPT = ("model", "data", "synthetic_samples", "seed", "augment", "optimizer", "lr", "momentum", "nesterov",
+        "weight_decay", "scheduler", "lr_step", "lr_gamma", "warmup_epochs")
+# these may change on a resume; a change is said in the "resuming from" line (epochs: see inherit)
+CHANGEABLE = ("batch_size", "epochs", "accumulate", "precision", "clip_grad_norm", "sync_bn", "eval_batch_size",
+              "save_every", "save_every_steps", "keep_checkpoints")
+STRETCHED = ("onecycle", "cosine")  # schedules laid over the run's whole length
 
 
-def describe(path: Path, global_batch: int) -> str:
-    """Check that a checkpoint can continue this run (before any process starts); say where it stopped."""
+def inherit(path: Path, config: TrainConfig, given: set[str] | None = None) -> TrainConfig:
+    """`config` with the recipe of the run that wrote checkpoint `path` wherever `given` (the fields the user
+    set; default: those that differ from TrainConfig's defaults) does not set it. A given field that the run
+    cannot change is refused in one line naming its flag, and so is --epochs where the run's schedule spans its
+    length (onecycle, cosine: more epochs would train at a rate of 0) or where the run is past it already."""
+    if given is None:
+        default = TrainConfig()
+        given = {f.name for f in fields(TrainConfig) if getattr(config, f.name) != getattr(default, f.name)}
+    given = {name for name in given if getattr(config, name) is not None}  # "auto" given: the run's own
     raw = head(path)
-    saved = raw["config"]["batch_size"]
-    if saved != global_batch:
-        raise UsageError(f"--resume {path}: that run's global batch was {saved}, this one's is {global_batch}: "
-                         f"resume with --batch-size {saved} (the data order continues by global batches)")
-    place = raw["loader"]
-    return f"epoch {place['epoch'] + 1}, {place['samples']} samples in, after {raw['steps']} optimizer steps"
+    saved = raw["config"]
+    for name in KEPT:
+        if name in given and name in saved and getattr(config, name) != saved[name]:
+            raise UsageError(f"{flag(name)} {getattr(config, name)}: the run in {path.parent} has {flag(name)} "
+                             f"{saved[name]}, which a resume keeps; drop the flag, or start a new run without "
+                             f"--resume")
+    config = replace(config, **{k: saved[k] for k in (*KEPT, *CHANGEABLE) if k in saved and k not in given})
+    if "epochs" in given and saved.get("epochs", config.epochs) != config.epochs:
+        done = raw["loader"]["epoch"] + (raw["loader"]["samples"] > 0)
+        if config.epochs < done:
+            raise UsageError(f"--epochs {config.epochs}: the run in {path.parent} has trained {done} epochs "
+                             f"already; resume with --epochs {done} or more")
+        if config.scheduler in STRETCHED:
+            raise UsageError(f"--epochs {config.epochs}: the run's {config.scheduler} schedule is laid over its "
+                             f"{saved['epochs']} epochs (its rate falls to 0 at their end), so a resume keeps them; "
+                             f"for {config.epochs} epochs start a new run without --resume")
+    return config
+
+
+def describe(path: Path, config: TrainConfig) -> str:
+    """Check that a checkpoint can continue this run (before any process starts); say where it stopped, what
+    this run changes of its recipe, and, for a run that had finished, that nothing is left to train."""
+    raw = head(path)
+    saved = raw["config"]
+    if saved["batch_size"] != config.batch_size:
+        raise UsageError(f"--resume {path}: that run's global batch was {saved['batch_size']}, this one's is "
+                         f"{config.batch_size}: resume with --batch-size {saved['batch_size']} (the data order "
+                         f"continues by global batches)")
+    place, steps = raw["loader"], raw["steps"]
+    changed = [f"{flag(k)} {getattr(config, k)} (it had {saved[k]})" for k in CHANGEABLE
+               if k in saved and getattr(config, k) != saved[k]]
+    also = f"; changed: {', '.join(changed)}" if changed else ""
+    if place["samples"] == 0 and place["epoch"] >= config.epochs:
+        return (f"the run had finished its {place['epoch']} epochs ({steps} optimizer steps): nothing left to "
+                f"train; its files are written again{also}")
+    return f"epoch {place['epoch'] + 1}, {place['samples']} samples in, after {steps} optimizer steps{also}"
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from . import checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, idle
 from .data.loaders import on_card
 from .errors import UsageError
 from .front import Multicard
@@ -52,6 +52,9 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
         if isinstance(value, str):
             overrides[name] = value
     optimizer, scheduler = (None if isinstance(v, str) else v for v in (optimizer, scheduler))
+    # what the caller set: a resume takes the rest of its recipe from the checkpoint (as the CLI's flags given)
+    given = set(overrides) | {f.name for f in fields(TrainConfig)
+                              if config is not None and getattr(config, f.name) != getattr(TrainConfig(), f.name)}
     config = replace(config or TrainConfig(), **overrides)
     if isinstance(config.out, os.PathLike):
         config = replace(config, out=os.fspath(config.out))
@@ -65,9 +68,9 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
-    if config.resume:  # auto batch and rate: the resumed run's own
+    if config.resume:  # the resumed run's recipe, where not given
         found = resolve(config.resume, config.out)
-        config = inherit(found, config) if found is not None else config
+        config = inherit(found, config, given) if found is not None else config
     config = config.settled(mc.world_size)  # the auto batch and rate, for this many processes
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
@@ -91,7 +94,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
     while True:
         path = resolve(resume, config.out)
         if path is not None and output is not None:
-            say(f"resuming from {path} ({describe(path, config.batch_size)})")
+            say(f"resuming from {path} ({describe(path, config)})")
         elif resume == "auto" and talk:
             say(f"no checkpoint in {Path(config.out) / 'checkpoints'}: starting from the beginning")
         run = output.new_run() if output is not None else None
@@ -136,6 +139,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
     name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     # the auto choices, settled for this process (and so recorded in summary.json's config)
     config = config.settled(mc.world_size)
     config = replace(config, channels_last=nhwc(model, config, mc),
@@ -161,6 +165,8 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     if config.tensorboard and mc.is_main and run is not None:  # fit logs through mc.log, as a user's loop would
         mc.loggers.append(TensorBoardLogger(run / "tensorboard"))
     if mc.is_main:
+        for line in idle(config, mc.world_size, steps_per_epoch, name, batchnorm):
+            say(line)
         note = f" ({mc.device_note})" if mc.device_note else ""
         micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
         say(f"training {name} on {len(train_data)} samples: strategy {mc.strategy}, "
@@ -176,7 +182,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
                    shard_mb=mc.gather({k: round(v / MB, 2) for k, v in held.items()}))
     final = mc.state_dict(model)  # under fsdp, gathered from every process's shards onto rank 0
     if mc.is_main:
-        report.finish(summary, final)
+        report.finish(summary, final, history)
     mc.barrier()  # leave together: a rank that tears down while another still writes can abort gloo
     return summary
 
