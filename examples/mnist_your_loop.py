@@ -74,7 +74,6 @@ def main():
     parser.add_argument("--epochs", type=int, default=14, help="number of epochs to train (default: 14)")
     parser.add_argument("--lr", type=float, default=1.0, help="learning rate (default: 1.0)")
     parser.add_argument("--gamma", type=float, default=0.7, help="learning rate step gamma (default: 0.7)")
-    parser.add_argument("--no-cuda", action="store_true", help="train on the CPU even with a card")
     parser.add_argument("--dry-run", action="store_true", help="one logged batch per epoch, for a quick check")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
     parser.add_argument("--log-interval", type=int, default=10, help="batches between log lines")

@@ -1,0 +1,214 @@
+"""Every code block in README.md and docs/*.md runs as written: each shell command is run here (CPU-sized), or
+shown to fail in one line where it needs what this machine lacks (cards), or skipped for a reason written below;
+each Python block runs (a fragment inside a small harness); the flags of every multicard command parse and
+validate (the fast part, in the default suite)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+DOCS = [Path(ROOT, "README.md"), *sorted(Path(ROOT, "docs").glob("*.md"))]
+BIN = Path(sys.executable).parent
+
+# A command is skipped only for one of these reasons (the first rule that matches decides)
+SKIP = [
+    (r"\| dp-balanced \|", "a synopsis: | separates the choices of a flag"),
+    (r"^make ", "sets up .venv (pip installs torch): minutes and the network; CI runs make test itself"),
+    (r"^tensorboard ", "a server that runs until it is stopped"),
+    (r"--nnodes|^srun |^#!|^benchmarks/on_a_card\.sh", "needs two machines, SLURM or a CUDA card"),
+    (r"--nproc-per-node [3-9]", "one process per card on a machine with 4 or 8 cards; the README's torchrun line "
+                                "runs the same path with 2 processes on the CPU"),
+    (r"--download", "downloads from the network"),
+    (r"^multicard bench", "a sweep of every strategy: minutes; tests/test_bench.py runs a small one"),
+    (r"^(python|torchrun|multicard run --devices cpu).*examples/mnist_your_loop\.py$",
+     "its 14 epochs; the same commands with --epochs 3 run from the README"),
+]
+# needs CUDA cards (or a data folder) that this machine does not have: one line naming what is missing
+FAILS = [
+    (r"--devices (0,1|2|4)\b", "this machine has no CUDA card"),
+    (r"--data-dir ~/mnist", "mnist"),
+]
+
+
+def blocks() -> list[tuple[str, str, str]]:
+    """(where, language, text) of every fenced block."""
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].startswith("```"):
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+                found.append((f"{doc.name}:{i + 1}", lines[i][3:].strip(), "\n".join(lines[i + 1:end])))
+                i = end
+            i += 1
+    return found
+
+
+def commands(text: str) -> list[str]:
+    """A shell block's commands: continuations joined, comments dropped."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\s+#\s.*$", "", line).strip()
+        if line and not (line.startswith("#") and not line.startswith("#!")):
+            out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+SHELL = [(where, c) for where, lang, text in blocks() if lang in ("", "bash", "sh") for c in commands(text)]
+PYTHON = [(where, text) for where, lang, text in blocks() if lang == "python"]
+
+
+def verdict(command: str) -> tuple[str, str]:
+    for pattern, why in SKIP:
+        if re.search(pattern, command):
+            return "skip", why
+    for pattern, words in FAILS:
+        if re.search(pattern, command):
+            return "fails", words
+    if re.match(r"(multicard|python|torchrun) ", command) or command == "multicard train":
+        return "run", ""
+    return "unknown", ""
+
+
+def multicard_argv(command: str) -> list[str] | None:
+    """The arguments a command hands to multicard (directly, or through torchrun or srun), ~ and $VARS expanded."""
+    words = [os.path.expanduser(os.path.expandvars(w)) for w in shlex.split(command)]
+    for i, word in enumerate(words):
+        if word.endswith("multicard") and (i == 0 or words[i - 1] == "-m" or "/" in word):
+            return words[i + 1:]
+    return None
+
+
+def test_every_command_in_the_docs_is_run_failed_or_skipped_for_a_reason():
+    assert len(SHELL) > 30 and len(PYTHON) >= 4
+    unknown = [(where, c) for where, c in SHELL if verdict(c)[0] == "unknown"]
+    assert not unknown, f"commands the docs show that this test does not know how to check: {unknown}"
+
+
+@pytest.mark.parametrize("where, command", [(w, c) for w, c in SHELL if multicard_argv(c) is not None])
+def test_the_flags_of_every_multicard_command_parse_and_validate(where, command):
+    from multicard.cli import Parser, given, parser
+    from multicard.config import TrainConfig
+
+    assert isinstance(parser(), Parser)
+    for argv in choices(multicard_argv(command)):
+        try:
+            args = parser().parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{where}: {command}: argparse refused {argv} ({e})")
+        if argv and argv[0] == "train":
+            TrainConfig(**given(args)).validate()
+
+
+def choices(argv: list[str]) -> list[list[str]]:
+    """A synopsis (--flag a | b | c) as one command per choice, N standing for 2; a plain command as it is."""
+    if "|" not in argv:
+        return [argv]
+    head, out, flag = [argv[0]], [], None
+    for word in argv[1:]:
+        if word.startswith("--"):
+            flag = word
+        elif word != "|" and flag:
+            out.append([*head, flag, word.replace("N", "2")])
+    return out
+
+
+def workdir(tmp_path: Path) -> dict[str, str]:
+    """A fresh folder to run the docs' commands in, as a user would at the repository's root: examples/ and
+    benchmarks/ are there, `python` is this interpreter, and my_script.py is the README's own loop."""
+    (tmp_path / "examples").symlink_to(Path(ROOT, "examples"))
+    (tmp_path / "benchmarks").symlink_to(Path(ROOT, "benchmarks"))
+    (tmp_path / "my_script.py").write_text(readme_own_loop())
+    bin_dir = tmp_path / ".bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    return {**os.environ, "PATH": f"{bin_dir}:{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.path.join(ROOT, "src")}
+
+
+def readme_own_loop() -> str:
+    return next(text for where, text in PYTHON if where.startswith("README") and "multicard.Multicard()" in text)
+
+
+def shell(command: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("where, command", [(w, c) for w, c in SHELL if verdict(c)[0] == "fails"])
+def test_what_needs_cards_or_data_fails_in_one_line(where, command, tmp_path):
+    result = shell(command, tmp_path, workdir(tmp_path), timeout=120)
+    assert result.returncode != 0, f"{where}: {command} ran here"
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert verdict(command)[1] in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", sorted({w for w, c in SHELL if verdict(c)[0] == "run"}))
+def test_each_block_of_commands_runs_in_order(where, tmp_path):
+    env = workdir(tmp_path)
+    for command in [c for w, c in SHELL if w == where and verdict(c)[0] == "run"]:
+        result = shell(command, tmp_path, env)
+        assert result.returncode == 0, f"{where}: {command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr, f"{where}: {command}\n{result.stderr[-3000:]}"
+
+
+def test_the_readmes_own_loop_runs_as_a_script(tmp_path):
+    (tmp_path / "script.py").write_text(readme_own_loop())
+    result = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=workdir(tmp_path), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", result.stdout)]
+    assert len(accuracies) == 2 and accuracies[-1] > 50  # 10 classes: learning, not chance (80.1% here)
+    assert (tmp_path / "ckpt.pt").is_file()
+
+
+def fragment_names(tmp_path: Path) -> dict:
+    """What a fragment of docs/ takes as given: a model, its optimizer and schedule, data, a loader, a Multicard."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import multicard
+
+    mc = multicard.Multicard("single", "cpu")
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(512, 1, 28, 28), torch.randint(0, 10, (512,)))
+    return dict(torch=torch, nn=nn, DataLoader=DataLoader, multicard=multicard, mc=mc, model=model,
+                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), data=data,
+                criterion=nn.CrossEntropyLoss(), train_loader=mc.setup_dataloader(DataLoader(data, 64, shuffle=True)),
+                epochs=1, resuming=False)
+
+
+@pytest.mark.parametrize("where", [w for w, text in PYTHON if not re.search(r"^import ", text, re.M)])
+def test_each_python_fragment_runs_in_a_harness(where, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = dict(PYTHON)[where]
+    exec(compile(text, where, "exec"), fragment_names(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [w for w, text in PYTHON if re.search(r"^import ", text, re.M)])
+def test_each_whole_python_block_runs_as_a_script(where, tmp_path):
+    (tmp_path / "block.py").write_text(dict(PYTHON)[where])
+    result = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=workdir(tmp_path), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, f"{where}\n{result.stderr[-3000:]}"
+
+
+def test_every_diff_shown_is_the_readmes():
+    """tests/test_examples.py holds the README's diff to the real one; the same diff shown elsewhere is the same."""
+    diffs = [(where, text) for where, lang, text in blocks() if lang == "diff"]
+    readme = next(text for where, text in diffs if where.startswith("README"))
+    assert all(text == readme for where, text in diffs), [where for where, text in diffs if text != readme]
