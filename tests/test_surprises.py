@@ -170,3 +170,12 @@ def test_help_shows_fsdp_and_no_empty_default():
     for argv in (["--help"], ["run", "--help"], ["train", "--help"]):
         result = run_cli(*argv)
         assert result.returncode == 0 and "fsdp" in result.stdout and "(default: )" not in result.stdout, argv
+
+
+def test_the_command_line_tells_a_flag_given_from_its_default():
+    from multicard.cli import config_from, given, parser
+
+    assert given(parser().parse_args(["train"])) == {}
+    typed = parser().parse_args(["train", "--epochs", "16", "--no-augment", "--batch-size", "auto"])
+    assert given(typed) == {"epochs": 16, "augment": False, "batch_size": None}  # 16 is the default, yet given
+    assert config_from(typed) == TrainConfig(augment=False)

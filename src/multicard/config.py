@@ -116,7 +116,10 @@ class TrainConfig:
     save_every_steps: int = opt(0, "write a checkpoint every this many optimizer steps (0: never)")
     keep_checkpoints: int = opt(2, "checkpoints kept (the newest; 0 keeps all)")
     # auto: the newest checkpoint in --out/checkpoints, or a fresh start if there is none
-    resume: str = opt("", "continue exactly from a checkpoint: auto (the newest in --out) or its PATH")
+    # a resumed run is the run it continues: its recipe comes from the checkpoint (resume.inherit)
+    resume: str = opt("", "continue exactly from a checkpoint: auto (the newest in --out; none: start afresh) or "
+                      "its PATH; the run's recipe comes with it (a flag given changes what a run can change "
+                      "half-way, e.g. --epochs of a step schedule, --save-every; others are refused)")
     # spawned runs only; under torchrun use its own --max-restarts with --resume auto
     max_restarts: int = opt(0, "when a process dies: stop all, start again from the last checkpoint, this "
                             "many times")
