@@ -131,6 +131,14 @@ def test_flags_that_do_nothing_here_say_so():
     assert idle(TrainConfig(sync_bn=True), 2, 16, "LeNet5", False) == ["--sync-bn: no effect, LeNet5 has no "
                                                                        "BatchNorm layer"]
     assert idle(TrainConfig(sync_bn=True, save_every_steps=256, save_every=16), 2, 16, "ResNet8", True) == []
+    assert idle(TrainConfig(momentum=0.5, lr_gamma=0.5, compile_mode="max-autotune", fsdp_blocks="Block"), 2, 16,
+                "LeNet5", False, "ddp") == [
+        "--momentum 0.5: no effect with --optimizer adam (sgd only)",
+        "--lr-gamma 0.5: no effect with --scheduler onecycle (step only)",
+        "--compile-mode max-autotune: no effect without --compile",
+        "--fsdp-blocks Block: no effect under ddp (fsdp only)"]
+    assert idle(TrainConfig(optimizer="sgd", momentum=0.5, scheduler="step", lr_gamma=0.5), 1, 16, "LeNet5",
+                False) == []
 
 
 def test_a_run_says_which_flags_do_nothing(tmp_path, capsys):

@@ -187,10 +187,24 @@ class TrainConfig:
                 raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")
 
 
-def idle(config: TrainConfig, processes: int, steps_per_epoch: int, model: str, batchnorm: bool) -> list[str]:
+def idle(config: TrainConfig, processes: int, steps_per_epoch: int, model: str, batchnorm: bool,
+         strategy: str = "single") -> list[str]:
     """A line for each flag that has no effect on this run, and why (a flag that quietly does nothing would let a
-    user believe in checkpoints or statistics they do not have)."""
-    lines, steps = [], steps_per_epoch * config.epochs
+    user believe in checkpoints, statistics or settings they do not have)."""
+    default = TrainConfig()
+    lines = [f"{flag} {value}: no effect {why}" for flag, value, why, unused in (
+        ("--momentum", config.momentum, f"with --optimizer {config.optimizer} (sgd only)",
+         config.optimizer != "sgd" and config.momentum != default.momentum),
+        ("--lr-step", config.lr_step, f"with --scheduler {config.scheduler} (step only)",
+         config.scheduler != "step" and config.lr_step != default.lr_step),
+        ("--lr-gamma", config.lr_gamma, f"with --scheduler {config.scheduler} (step only)",
+         config.scheduler != "step" and config.lr_gamma != default.lr_gamma),
+        ("--compile-mode", config.compile_mode, "without --compile",
+         not config.compile and config.compile_mode != default.compile_mode),
+        ("--fsdp-blocks", config.fsdp_blocks, f"under {strategy} (fsdp only)",
+         strategy != "fsdp" and bool(config.fsdp_blocks)),
+    ) if unused]
+    steps = steps_per_epoch * config.epochs
     epochs = f"{config.epochs} epoch{'s' * (config.epochs != 1)}"
     if config.save_every_steps > steps:
         lines.append(f"--save-every-steps {config.save_every_steps}: no effect, this run has {steps} optimizer "

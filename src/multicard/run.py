@@ -165,7 +165,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     if config.tensorboard and mc.is_main and run is not None:  # fit logs through mc.log, as a user's loop would
         mc.loggers.append(TensorBoardLogger(run / "tensorboard"))
     if mc.is_main:
-        for line in idle(config, mc.world_size, steps_per_epoch, name, batchnorm):
+        for line in idle(config, mc.world_size, steps_per_epoch, name, batchnorm, mc.strategy):
             say(line)
         note = f" ({mc.device_note})" if mc.device_note else ""
         micro = f" in {config.accumulate} micro-batches" if config.accumulate > 1 else ""
