@@ -154,6 +154,8 @@ def test_a_run_says_which_flags_do_nothing(tmp_path, capsys):
     (["train", "--optimizer", "lion"], "multicard train: --optimizer lion: choose one of adam, adamw, sgd "
                                        "(see multicard train --help)"),
     (["train", "--lr"], "multicard train: --lr: needs a value (see multicard train --help)"),
+    (["bench", "--repeats", "x"], "multicard bench: --repeats x: not a whole number (see multicard bench --help)"),
+    (["check", "--steps", "2.5"], "multicard check: --steps 2.5: not a whole number (see multicard check --help)"),
     ([], "multicard: name a command: train, run, check, bench or env (see multicard --help)"),
     (["check", "--tensorboard", "--save-every", "1", "--epochs", "5"],
      "multicard check: --tensorboard: not a flag of multicard check (see multicard check --help)"),

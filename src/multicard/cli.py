@@ -42,6 +42,8 @@ def plain(message: str) -> str:
     """argparse's error, said as the rest of multicard says errors: the flag, the value, what is wrong."""
     if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid choice: '(.*)' \(choose from (.*)\)", message):
         return f"{m[1]} {m[2]}: choose one of {m[3].replace(chr(39), '')}"
+    if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (int|float) value: '(.*)'", message):
+        return f"{m[1]} {m[3]}: not {NUMBERS[m[2]]}"  # a flag of argparse's own int or float (bench's)
     if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: (.*)", message):
         return f"{m[1]}: needs a value" if m[2].startswith("expected one argument") else f"{m[1]} {m[2]}"
     if m := re.fullmatch(r"the following arguments are required: (.*)", message):
