@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import copy
 import os
-import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launcher, memory, observe, shards, strategies
+from . import collectives, launcher, memory, observe, saving, strategies
 from .data.loaders import Sharded, shard
 from .devices import select
 from .dist import job_from_env
@@ -30,8 +29,6 @@ from .prepared import Prepared
 from .strategies import Strategy
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
-OPS = ("sum", "mean", "max", "min")
-OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
 class Multicard:
@@ -202,7 +199,8 @@ class Multicard:
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
         forward = self._strategy.wrap_model(model.to(self.device))
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision])
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
+                            reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -295,11 +293,28 @@ class Multicard:
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Backward inside leaves the gradients local (ddp: no all-reduce), e.g. for all but the last of
-        several accumulated micro-batches; the next backward outside reduces the sum."""
-        forward = model.forward_module if isinstance(model, Prepared) else model
-        with self._strategy.no_sync(forward) if enabled else contextlib.nullcontext():
+        """Gradients stay local (no reduction) for the micro-batches run inside, e.g. all but the last of several
+        accumulated ones; the next backward outside reduces the sum. `model` is what setup returned. Under ddp
+        the FORWARD decides: run forward and backward inside (a backward inside whose forward ran outside is
+        still reduced; that is said once on stderr). fsdp skips by backward, so backward inside is enough."""
+        if not isinstance(model, Prepared):
+            raise UsageError(f"no_backward_sync(model) takes the model mc.setup returned, not a plain "
+                             f"{type(model).__name__} (model.module or the model before setup cannot skip the "
+                             f"reduction)")
+        with self._strategy.no_sync(model.forward_module) if enabled else contextlib.nullcontext(), \
+                model._sync_paused() if enabled else contextlib.nullcontext():
             yield
+
+    def mark_forward(self, model: nn.Module, *names: str) -> None:
+        """Methods of your model that run its layers outside forward (model.encode(x), model.generate(...)):
+        under ddp and fsdp, each call with gradients on then runs through the wrapper's forward, so their
+        gradients are reduced. Unmarked, such a call is one error naming it (other strategies need nothing)."""
+        if not isinstance(model, Prepared):
+            raise UsageError("mark_forward(model, ...) takes the model mc.setup returned")
+        for name in names:
+            if not callable(getattr(model.module, name, None)):
+                raise UsageError(f"mark_forward: {type(model.module).__name__} has no method {name!r}")
+        model._marked.update(names)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
@@ -308,23 +323,44 @@ class Multicard:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype)
 
-    # -- between processes -----------------------------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
-        """`value` (a tensor or a number) combined over all processes: sum, mean, max or min. A new tensor,
-        on the device `value` was on."""
-        if op not in OPS:
-            raise UsageError(f"all_reduce op {op!r}: choose one of {', '.join(OPS)}")
+    # -- between processes (collectives.py) -------------------------------------------------------------------
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """`value` (a tensor, a number, or dicts / lists / tuples of them) combined over all processes: sum,
+        mean, max or min. New tensors, on the device each value was on, in `value`'s structure. Every process
+        must pass the same structure, shapes and dtypes: a mismatch is one error naming it (one extra collective
+        of two numbers; MULTICARD_CHECK_SHAPES=0 turns the check off)."""
         self._start()
-        tensor = torch.as_tensor(value)
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()
-        out = self._strategy.all_reduce(tensor.to(self.device), "sum" if op == "mean" else op)
-        return (out / self.world_size if op == "mean" else out).to(tensor.device)
+        return collectives.all_reduce(self._strategy, value, op)
 
     def gather(self, obj: Any) -> list:
-        """Every process's `obj` (anything picklable), in rank order, on every process."""
+        """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order, on
+        every process."""
         self._start()
-        return self._strategy.gather(obj)
+        return collectives.gather(self._strategy, obj)
+
+    def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
+        """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
+        shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
+        DistributedSampler's padding. See collectives.gather_in_order."""
+        self._start()
+        return collectives.gather_in_order(self._strategy, outputs, total)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Process `src`'s `obj` (a tensor, or anything picklable) on every process."""
+        self._start()
+        return collectives.broadcast(self._strategy, obj, src)
+
+    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager:
+        """`with mc.rank_zero_first():` rank 0 runs the body (download, preprocess, build a cache) while the
+        others wait; then they run it. local=True: the first process of each machine goes first."""
+        self._start()
+        return collectives.rank_zero_first(self._strategy, local)
+
+    def split(self, inputs: Any) -> Any:
+        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), e.g. for
+        inference; parts differ by at most one item. mc.gather(outputs) puts them back in order (concatenate)."""
+        self._start()
+        return collectives.split(self._strategy, inputs)
 
     def barrier(self) -> None:
         self._start()
@@ -345,13 +381,12 @@ class Multicard:
         for logger in self.loggers:
             logger.log(values, int(step))
 
-    # -- checkpoints -----------------------------------------------------------------------------------------
+    # -- checkpoints (saving.py) -----------------------------------------------------------------------------
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
         the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
         self._start()
-        module = self.unwrap(model)
-        return self._strategy.model_state(module) if self.sharded else checkpoint.plain_state(module)
+        return saving.state_dict(self, model)
 
     def save(self, path: str | Path, state: dict[str, Any]) -> None:
         """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
@@ -363,23 +398,7 @@ class Multicard:
         Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
         a folder beside `path`, so there every rank must call it."""
         self._start()
-        path = Path(path)
-        if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
-            if self.is_main:
-                checkpoint.save_state(path, state)
-            return
-        self._saves += 1
-        own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
-        if self.sharded:
-            state, own["shards"] = shards.save(path, self._saves, state, self.unwrap)
-        if self.is_main:
-            if self.scaler is not None:
-                own.update(scaler=self.scaler.state_dict(), skipped=self.skipped_steps)
-            checkpoint.save_state(path, {**state, OWN: own})
-            if self.sharded:
-                shards.drop_older(path, own["shards"]["folder"])
-        else:
-            checkpoint.write_atomic({**own, "rank": self.rank}, checkpoint.rank_file(path, self.rank))
+        saving.save(self, path, state)
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
@@ -389,56 +408,7 @@ class Multicard:
         order goes on where it stopped (same global batch; fsdp's shards are resharded), and the random streams
         start afresh."""
         self._start()
-        path = Path(path)
-        head = checkpoint.read(path)  # read once: the objects below are restored from it
-        info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
-        if state is None:
-            raw = head
-        elif info is not None and not self.sharded:
-            raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
-                             f"strategy fsdp (its model.pt holds the whole model for any strategy)")
-        elif info is not None:
-            models, optimizers = shards.split(state)
-            shards.load(path, info, state, self.unwrap)
-            rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
-            raw = checkpoint.load_state(path, rest, raw=head)
-            state.update(rest)  # the plain values read
-        else:
-            raw = checkpoint.load_state(path, state, self._load_module, head)
-        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
-        if own is not None:
-            self._restore(path, own)
-        return raw
-
-    def _load_module(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """A whole state_dict into a set-up model: under fsdp into its shards."""
-        if self.sharded:
-            self._strategy.load_model_state(self.unwrap(module), state)
-        else:
-            module.load_state_dict(state)
-
-    def _restore(self, path: Path, own: dict[str, Any]) -> None:
-        """The scaler, this object's save count, and this rank's random streams where they were saved."""
-        self._saves = own["save"]
-        if self.scaler is not None and "scaler" in own:
-            self.scaler.load_state_dict(own["scaler"])
-            self._skipped.fill_(own["skipped"])
-        if own["world"] != self.world_size:
-            if self.is_main:
-                print(f"multicard: {path} was written by {own['world']} processes, this job has "
-                      f"{self.world_size}: the data order goes on, random streams (augmentation, dropout) start "
-                      f"afresh", file=sys.stderr, flush=True)
-            return
-        if self.rank == 0:
-            checkpoint.set_rng_state(own["rng"])
-            return
-        mine = checkpoint.rank_file(path, self.rank)
-        part = checkpoint.read(mine) if mine.is_file() else None
-        if part is None or part.get("save") != own["save"]:
-            print(f"multicard: rank {self.rank}: {mine} is missing or from another save: this rank's random "
-                  f"streams start afresh", file=sys.stderr, flush=True)
-            return
-        checkpoint.set_rng_state(part["rng"])
+        return saving.load(self, path, state)
 
     # -- memory ----------------------------------------------------------------------------------------------
     def peak_memory_mb(self) -> list[float]:
