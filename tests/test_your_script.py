@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -147,7 +150,9 @@ def script_job(mc: Multicard, folder: str) -> list[dict]:
 @pytest.fixture(scope="module", params=[2, 3])
 def ranks(request, tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp(f"script{request.param}")
-    return multicard.launch(script_job, str(folder), strategy="ddp", devices=f"cpu:{request.param}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MULTICARD_CHECK_SHAPES", "1")  # the debugging switch, for the shape mismatch below
+        return multicard.launch(script_job, str(folder), strategy="ddp", devices=f"cpu:{request.param}")
 
 
 def test_no_backward_sync_takes_only_the_set_up_model(ranks):
@@ -252,3 +257,36 @@ def test_a_second_ddp_multicard_reuses_the_group_and_the_last_close_leaves_it():
 def test_split_bounds_are_contiguous_and_uneven_by_at_most_one():
     assert [bounds(10, r, 3) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
     assert [bounds(2, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from multicard.front import Multicard
+from test_your_script import script_job
+
+dist.init_process_group("gloo")  # nanoGPT's habit: the script joins the group itself
+mc = Multicard()
+ranks, main = script_job(mc, {folder!r}), mc.is_main
+mc.close()
+assert dist.is_initialized()  # the script's group is the script's to destroy
+if main:
+    first = ranks[0]["weights"]
+    print(json.dumps({{"world": len(ranks), "encode": ranks[1]["encode"], "nanogpt": ranks[1]["nanogpt_reductions"],
+                       "equal": all(torch.equal(r["weights"][k], v) for r in ranks for k, v in first.items()),
+                       "second": ranks[1]["second"]}}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_with_the_scripts_own_process_group(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(tmp_path)))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["world"] == 2 and result["equal"] and result["nanogpt"] == 2 and result["second"] == 2
+    assert "model.encode() runs the model's layers outside its forward" in result["encode"]

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
-import os
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,15 +17,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import collectives, launcher, memory, observe, saving, strategies
+from . import collectives, launcher, memory, observe, saving
 from .data.loaders import Sharded, shard
-from .devices import select
 from .dist import job_from_env
 from .errors import UsageError
+from .precision import PRECISIONS, autocast, step_through_scaler
 from .prepared import Prepared
+from .processes import launched, make_strategy
 from .strategies import Strategy
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
 
 
 class Multicard:
@@ -56,27 +52,9 @@ class Multicard:
                  seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
                  loggers: Any = None, log_dir: str | Path = "runs/logs"):
-        if precision not in PRECISIONS:
-            raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
-        if isinstance(strategy, Strategy):
-            strategy.job = self.job
-        else:
-            if strategy == "auto":
-                strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
-            # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
-            devices = os.environ.get("MULTICARD_DEVICES", devices) if self.job.launcher == "multicard" else devices
-            strategy = strategies.create(strategy, select(devices), self.job, find_unused_parameters)
-        if not 0 < timeout < float("inf"):
-            raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
-        strategy.timeout_s = timeout
-        if getattr(strategy, "sharded", False):
-            if precision == "fp16":
-                raise UsageError("fsdp takes precision bf16 (its own mixed precision: bf16 compute, fp32 "
-                                 "reductions) or fp32, not fp16")
-            if not isinstance(strategy, Strategy) or not hasattr(strategy, "param_dtype"):
-                strategy.blocks, strategy.reshard_after_forward = fsdp_blocks, reshard_after_forward
-                strategy.param_dtype = PRECISIONS[precision]
+        strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
+                                 fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
         self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
@@ -150,7 +128,7 @@ class Multicard:
                 self.close()
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
-        return launcher.spawn(_launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
+        return launcher.spawn(launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
                                                                       self.sync_batchnorm, fn, args, self.loggers))
 
     def _start(self) -> None:
@@ -209,30 +187,8 @@ class Multicard:
         they are, except that under fp16 their step() goes through the gradient scaler."""
         self._start()
         for optimizer in optimizers if self.scaler is not None else ():
-            self._step_through_scaler(optimizer)
+            step_through_scaler(optimizer, self.scaler, self._skipped)
         return optimizers[0] if len(optimizers) == 1 else optimizers
-
-    def _step_through_scaler(self, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
-        the loop keeps calling optimizer.step(). A bound method still, so LR schedulers can wrap it as usual."""
-        plain, scaler, busy = optimizer.step, self.scaler, []
-
-        def step(opt, *args, **kwargs):
-            if busy:  # GradScaler.step calls optimizer.step itself: that is the plain step
-                return plain(*args, **kwargs)
-            busy.append(True)
-            try:
-                before = scaler._scale.clone()
-                out = scaler.step(opt, *args, **kwargs)
-                scaler.update()
-                self._skipped += scaler._scale < before  # backed off: this step was skipped (no host sync)
-                return out
-            finally:
-                busy.clear()
-
-        if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
-            step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
 
     @property
     def skipped_steps(self) -> int:
@@ -318,17 +274,14 @@ class Multicard:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
-        dtype = PRECISIONS[self.precision]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype)
+        return autocast(self.device.type, self.precision)
 
     # -- between processes (collectives.py) -------------------------------------------------------------------
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
         """`value` (a tensor, a number, or dicts / lists / tuples of them) combined over all processes: sum,
         mean, max or min. New tensors, on the device each value was on, in `value`'s structure. Every process
-        must pass the same structure, shapes and dtypes: a mismatch is one error naming it (one extra collective
-        of two numbers; MULTICARD_CHECK_SHAPES=0 turns the check off)."""
+        must pass the same structure, shapes and dtypes; MULTICARD_CHECK_SHAPES=1 (a debugging switch: one extra
+        collective a call) checks that and names a mismatch, which otherwise may come back silently reshaped."""
         self._start()
         return collectives.all_reduce(self._strategy, value, op)
 
@@ -425,11 +378,3 @@ def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "aut
     """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...)."""
     return Multicard(strategy, devices, precision, **options).launch(fn, *args)
 
-
-def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple,
-              loggers: list) -> Any:
-    """The body of a process that Multicard.launch spawned."""
-    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
-                   timeout=strategy.timeout_s, loggers=loggers)
-    args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
-    return mc.launch(fn, *args)
