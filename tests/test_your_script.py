@@ -290,3 +290,23 @@ def test_under_torchrun_with_the_scripts_own_process_group(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["world"] == 2 and result["equal"] and result["nanogpt"] == 2 and result["second"] == 2
     assert "model.encode() runs the model's layers outside its forward" in result["encode"]
+
+
+def fsdp_job(mc: Multicard) -> list:
+    torch.manual_seed(0)
+    model = mc.setup(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(mc.rank))
+    loss = model(x).sum()
+    with mc.no_backward_sync(model):  # backward only: fsdp decides in backward
+        loss.backward()
+    backward_only = model.module[0].weight.grad is None  # no reduce-scatter: the shard has no gradient yet
+    model.require_backward_grad_sync = False  # nanoGPT's switch reaches fsdp's
+    model(x).sum().backward()
+    switched_off = model.module[0].weight.grad is None
+    model.require_backward_grad_sync = True
+    model(x).sum().backward()
+    return mc.gather((backward_only, switched_off, model.module[0].weight.grad is None))
+
+
+def test_fsdp_skips_by_backward_and_follows_the_switch():
+    assert multicard.launch(fsdp_job, strategy="fsdp", devices="cpu:2") == [(True, True, False)] * 2
