@@ -3,6 +3,9 @@
 The seeds' four changes, each one line: start the processes (`mc.launch(fn)`, `multicard run script.py`, or
 torchrun), join the process group (here, on first use), wrap the model (`mc.setup`), shard the data
 (`mc.setup_dataloader`). Our own trainer (loop.py) is written on this object and nothing else.
+
+The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
+spawned processes; prepared.py: the set-up model; precision.py; collectives.py; saving.py: checkpoints).
 """
 
 from __future__ import annotations
