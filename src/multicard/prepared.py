@@ -51,7 +51,7 @@ class Prepared(nn.Module):
             with torch.autocast(device_type, dtype):
                 out = to_fp32(self.forward_module(*args, **kwargs))
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
-                self.forward_module.require_backward_grad_sync:
+                self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
             self._watch_backward(out)
         return out
 
