@@ -115,6 +115,9 @@ def script_job(mc: Multicard, folder: str) -> list[dict]:
     with mc.no_backward_sync(model):
         model(x).mean().backward()
     out["forward_inside"] = len(reductions) - before
+    with model.no_sync():  # a DDP script's own accumulation
+        model(x).mean().backward()
+    out["ddp_no_sync"] = (len(reductions) - before, model.forward_module.require_backward_grad_sync)
     out["save_module"] = error(lambda: mc.save(f"{folder}/m.pt", model))
 
     # 4: collectives
@@ -179,11 +182,11 @@ def test_nanogpts_switch_reduces_once_per_step(ranks):
     assert [r["nanogpt_reductions"] for r in ranks] == [2] * len(ranks)  # 2 steps x 4 micro-steps: not 8
 
 
-def test_backward_only_inside_no_backward_sync_is_reduced_and_said_once(ranks):
+def test_backward_only_inside_no_backward_sync_is_reduced_and_said_once_and_model_no_sync_works(ranks):
     assert ranks[0]["backward_only"][0] == 2
     assert ranks[0]["backward_only"][1].count("reduced the gradients anyway") == 1
     assert all(r["backward_only"][1] == "" for r in ranks[1:])  # rank 0 says it
-    assert all(r["forward_inside"] == 0 for r in ranks)
+    assert all(r["forward_inside"] == 0 and r["ddp_no_sync"] == (0, True) for r in ranks)
 
 
 def test_save_of_a_module_is_one_line_on_every_rank(ranks):

@@ -127,6 +127,17 @@ class Prepared(nn.Module):
 
     # -- no_backward_sync -------------------------------------------------------------------------------------
     @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """`with model.no_sync():` as on a DDP model (a DDP script's accumulation): mc.no_backward_sync(model)."""
+        before = self.__dict__.get(SYNC, True)
+        self.require_backward_grad_sync = False
+        try:
+            with self._sync_paused():
+                yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    @contextlib.contextmanager
     def _sync_paused(self) -> Iterator[None]:
         self.__dict__["_paused"] += 1
         try:
