@@ -1,9 +1,12 @@
-"""Precisions of the front object: the autocast dtype of each, and fp16's gradient scaler behind optimizer.step()."""
+"""Precisions of the front object: the autocast dtype of each, outputs handed back in fp32, and fp16's gradient
+scaler behind optimizer.step()."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
+from typing import Any
 
 import torch
 
@@ -38,3 +41,20 @@ def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.Grad
     if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
         step._wrapped_by_lr_sched = True
     optimizer.step = types.MethodType(step, optimizer)
+
+
+def to_fp32(obj: Any) -> Any:
+    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
+    per-card outputs with its sample counts included)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        out = copy.copy(obj)  # a list subclass keeps what else it carries
+        out[:] = [to_fp32(v) for v in obj]
+        return out
+    if isinstance(obj, tuple):
+        items = [to_fp32(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj

@@ -10,7 +10,6 @@ is an error, or, once marked (mc.mark_forward), runs through the wrapper's forwa
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import unprefixed
 from .errors import UsageError
+from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
 _OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", SYNC)
@@ -203,19 +203,3 @@ def _layers_refused(model: nn.Module, name: str) -> Iterator[None]:
     finally:
         handle.remove()
 
-
-def to_fp32(obj: Any) -> Any:
-    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
-    per-card outputs with its sample counts included)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        out = copy.copy(obj)  # a list subclass keeps what else it carries
-        out[:] = [to_fp32(v) for v in obj]
-        return out
-    if isinstance(obj, tuple):
-        items = [to_fp32(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
