@@ -3,16 +3,15 @@
 The seeds' four changes, each one line: start the processes (`mc.launch(fn)`, `multicard run script.py`, or
 torchrun), join the process group (here, on first use), wrap the model (`mc.setup`), shard the data
 (`mc.setup_dataloader`). Our own trainer (loop.py) is written on this object and nothing else.
+
+The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
+spawned processes; prepared.py: the set-up model; precision.py; collectives.py; saving.py: checkpoints).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
-import os
-import sys
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,17 +20,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, launcher, memory, observe, shards, strategies
+from . import collectives, launcher, memory, observe, saving
 from .data.loaders import Sharded, shard
-from .devices import select
 from .dist import job_from_env
 from .errors import UsageError
+from .precision import PRECISIONS, autocast, step_through_scaler
 from .prepared import Prepared
+from .processes import launched, make_strategy
 from .strategies import Strategy
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
-OPS = ("sum", "mean", "max", "min")
-OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
 class Multicard:
@@ -59,27 +55,9 @@ class Multicard:
                  seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
                  loggers: Any = None, log_dir: str | Path = "runs/logs"):
-        if precision not in PRECISIONS:
-            raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
         self.job = job_from_env()
-        if isinstance(strategy, Strategy):
-            strategy.job = self.job
-        else:
-            if strategy == "auto":
-                strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
-            # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
-            devices = os.environ.get("MULTICARD_DEVICES", devices) if self.job.launcher == "multicard" else devices
-            strategy = strategies.create(strategy, select(devices), self.job, find_unused_parameters)
-        if not 0 < timeout < float("inf"):
-            raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
-        strategy.timeout_s = timeout
-        if getattr(strategy, "sharded", False):
-            if precision == "fp16":
-                raise UsageError("fsdp takes precision bf16 (its own mixed precision: bf16 compute, fp32 "
-                                 "reductions) or fp32, not fp16")
-            if not isinstance(strategy, Strategy) or not hasattr(strategy, "param_dtype"):
-                strategy.blocks, strategy.reshard_after_forward = fsdp_blocks, reshard_after_forward
-                strategy.param_dtype = PRECISIONS[precision]
+        strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
+                                 fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
         self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
@@ -153,7 +131,7 @@ class Multicard:
                 self.close()
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
-        return launcher.spawn(_launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
+        return launcher.spawn(launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
                                                                       self.sync_batchnorm, fn, args, self.loggers))
 
     def _start(self) -> None:
@@ -202,7 +180,8 @@ class Multicard:
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
         forward = self._strategy.wrap_model(model.to(self.device))
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision])
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
+                            reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -211,30 +190,8 @@ class Multicard:
         they are, except that under fp16 their step() goes through the gradient scaler."""
         self._start()
         for optimizer in optimizers if self.scaler is not None else ():
-            self._step_through_scaler(optimizer)
+            step_through_scaler(optimizer, self.scaler, self._skipped)
         return optimizers[0] if len(optimizers) == 1 else optimizers
-
-    def _step_through_scaler(self, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
-        the loop keeps calling optimizer.step(). A bound method still, so LR schedulers can wrap it as usual."""
-        plain, scaler, busy = optimizer.step, self.scaler, []
-
-        def step(opt, *args, **kwargs):
-            if busy:  # GradScaler.step calls optimizer.step itself: that is the plain step
-                return plain(*args, **kwargs)
-            busy.append(True)
-            try:
-                before = scaler._scale.clone()
-                out = scaler.step(opt, *args, **kwargs)
-                scaler.update()
-                self._skipped += scaler._scale < before  # backed off: this step was skipped (no host sync)
-                return out
-            finally:
-                busy.clear()
-
-        if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
-            step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(step, optimizer)
 
     @property
     def skipped_steps(self) -> int:
@@ -295,36 +252,71 @@ class Multicard:
 
     @contextlib.contextmanager
     def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Backward inside leaves the gradients local (ddp: no all-reduce), e.g. for all but the last of
-        several accumulated micro-batches; the next backward outside reduces the sum."""
-        forward = model.forward_module if isinstance(model, Prepared) else model
-        with self._strategy.no_sync(forward) if enabled else contextlib.nullcontext():
+        """Gradients stay local (no reduction) for the micro-batches run inside, e.g. all but the last of several
+        accumulated ones; the next backward outside reduces the sum. `model` is what setup returned. Under ddp
+        the FORWARD decides: run forward and backward inside (a backward inside whose forward ran outside is
+        still reduced; that is said once on stderr). fsdp skips by backward, so backward inside is enough."""
+        if not isinstance(model, Prepared):
+            raise UsageError(f"no_backward_sync(model) takes the model mc.setup returned, not a plain "
+                             f"{type(model).__name__} (model.module or the model before setup cannot skip the "
+                             f"reduction)")
+        with self._strategy.no_sync(model.forward_module) if enabled else contextlib.nullcontext(), \
+                model._sync_paused() if enabled else contextlib.nullcontext():
             yield
+
+    def mark_forward(self, model: nn.Module, *names: str) -> None:
+        """Methods of your model that run its layers outside forward (model.encode(x), model.generate(...)):
+        under ddp and fsdp, each call with gradients on then runs through the wrapper's forward, so their
+        gradients are reduced. Unmarked, such a call is one error naming it (other strategies need nothing)."""
+        if not isinstance(model, Prepared):
+            raise UsageError("mark_forward(model, ...) takes the model mc.setup returned")
+        for name in names:
+            if not callable(getattr(model.module, name, None)):
+                raise UsageError(f"mark_forward: {type(model.module).__name__} has no method {name!r}")
+        model._marked.update(names)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
-        dtype = PRECISIONS[self.precision]
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype)
+        return autocast(self.device.type, self.precision)
 
-    # -- between processes -----------------------------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
-        """`value` (a tensor or a number) combined over all processes: sum, mean, max or min. A new tensor,
-        on the device `value` was on."""
-        if op not in OPS:
-            raise UsageError(f"all_reduce op {op!r}: choose one of {', '.join(OPS)}")
+    # -- between processes (collectives.py) -------------------------------------------------------------------
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """`value` (a tensor, a number, or dicts / lists / tuples of them) combined over all processes: sum,
+        mean, max or min. New tensors, on the device each value was on, in `value`'s structure. Every process
+        must pass the same structure, shapes and dtypes; MULTICARD_CHECK_SHAPES=1 (a debugging switch: one extra
+        collective a call) checks that and names a mismatch, which otherwise may come back silently reshaped."""
         self._start()
-        tensor = torch.as_tensor(value)
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()
-        out = self._strategy.all_reduce(tensor.to(self.device), "sum" if op == "mean" else op)
-        return (out / self.world_size if op == "mean" else out).to(tensor.device)
+        return collectives.all_reduce(self._strategy, value, op)
 
     def gather(self, obj: Any) -> list:
-        """Every process's `obj` (anything picklable), in rank order, on every process."""
+        """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order, on
+        every process."""
         self._start()
-        return self._strategy.gather(obj)
+        return collectives.gather(self._strategy, obj)
+
+    def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
+        """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
+        shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
+        DistributedSampler's padding. See collectives.gather_in_order."""
+        self._start()
+        return collectives.gather_in_order(self._strategy, outputs, total)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Process `src`'s `obj` (a tensor, or anything picklable) on every process."""
+        self._start()
+        return collectives.broadcast(self._strategy, obj, src)
+
+    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager:
+        """`with mc.rank_zero_first():` rank 0 runs the body (download, preprocess, build a cache) while the
+        others wait; then they run it. local=True: the first process of each machine goes first."""
+        self._start()
+        return collectives.rank_zero_first(self._strategy, local)
+
+    def split(self, inputs: Any) -> Any:
+        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), e.g. for
+        inference; parts differ by at most one item. mc.gather(outputs) puts them back in order (concatenate)."""
+        self._start()
+        return collectives.split(self._strategy, inputs)
 
     def barrier(self) -> None:
         self._start()
@@ -345,13 +337,12 @@ class Multicard:
         for logger in self.loggers:
             logger.log(values, int(step))
 
-    # -- checkpoints -----------------------------------------------------------------------------------------
+    # -- checkpoints (saving.py) -----------------------------------------------------------------------------
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
         the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
         self._start()
-        module = self.unwrap(model)
-        return self._strategy.model_state(module) if self.sharded else checkpoint.plain_state(module)
+        return saving.state_dict(self, model)
 
     def save(self, path: str | Path, state: dict[str, Any]) -> None:
         """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
@@ -363,23 +354,7 @@ class Multicard:
         Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
         a folder beside `path`, so there every rank must call it."""
         self._start()
-        path = Path(path)
-        if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
-            if self.is_main:
-                checkpoint.save_state(path, state)
-            return
-        self._saves += 1
-        own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
-        if self.sharded:
-            state, own["shards"] = shards.save(path, self._saves, state, self.unwrap)
-        if self.is_main:
-            if self.scaler is not None:
-                own.update(scaler=self.scaler.state_dict(), skipped=self.skipped_steps)
-            checkpoint.save_state(path, {**state, OWN: own})
-            if self.sharded:
-                shards.drop_older(path, own["shards"]["folder"])
-        else:
-            checkpoint.write_atomic({**own, "rank": self.rank}, checkpoint.rank_file(path, self.rank))
+        saving.save(self, path, state)
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
@@ -389,56 +364,7 @@ class Multicard:
         order goes on where it stopped (same global batch; fsdp's shards are resharded), and the random streams
         start afresh."""
         self._start()
-        path = Path(path)
-        head = checkpoint.read(path)  # read once: the objects below are restored from it
-        info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
-        if state is None:
-            raw = head
-        elif info is not None and not self.sharded:
-            raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
-                             f"strategy fsdp (its model.pt holds the whole model for any strategy)")
-        elif info is not None:
-            models, optimizers = shards.split(state)
-            shards.load(path, info, state, self.unwrap)
-            rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
-            raw = checkpoint.load_state(path, rest, raw=head)
-            state.update(rest)  # the plain values read
-        else:
-            raw = checkpoint.load_state(path, state, self._load_module, head)
-        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
-        if own is not None:
-            self._restore(path, own)
-        return raw
-
-    def _load_module(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """A whole state_dict into a set-up model: under fsdp into its shards."""
-        if self.sharded:
-            self._strategy.load_model_state(self.unwrap(module), state)
-        else:
-            module.load_state_dict(state)
-
-    def _restore(self, path: Path, own: dict[str, Any]) -> None:
-        """The scaler, this object's save count, and this rank's random streams where they were saved."""
-        self._saves = own["save"]
-        if self.scaler is not None and "scaler" in own:
-            self.scaler.load_state_dict(own["scaler"])
-            self._skipped.fill_(own["skipped"])
-        if own["world"] != self.world_size:
-            if self.is_main:
-                print(f"multicard: {path} was written by {own['world']} processes, this job has "
-                      f"{self.world_size}: the data order goes on, random streams (augmentation, dropout) start "
-                      f"afresh", file=sys.stderr, flush=True)
-            return
-        if self.rank == 0:
-            checkpoint.set_rng_state(own["rng"])
-            return
-        mine = checkpoint.rank_file(path, self.rank)
-        part = checkpoint.read(mine) if mine.is_file() else None
-        if part is None or part.get("save") != own["save"]:
-            print(f"multicard: rank {self.rank}: {mine} is missing or from another save: this rank's random "
-                  f"streams start afresh", file=sys.stderr, flush=True)
-            return
-        checkpoint.set_rng_state(part["rng"])
+        return saving.load(self, path, state)
 
     # -- memory ----------------------------------------------------------------------------------------------
     def peak_memory_mb(self) -> list[float]:
@@ -455,11 +381,3 @@ def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "aut
     """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...)."""
     return Multicard(strategy, devices, precision, **options).launch(fn, *args)
 
-
-def _launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple,
-              loggers: list) -> Any:
-    """The body of a process that Multicard.launch spawned."""
-    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
-                   timeout=strategy.timeout_s, loggers=loggers)
-    args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
-    return mc.launch(fn, *args)

@@ -1,26 +1,43 @@
-"""Prepared: a model as Multicard.setup returns it. It reads as the user's own model; the forward goes through the
-strategy's wrapper, under the precision's autocast."""
+"""Prepared: a model as Multicard.setup returns it. It reads and writes as the user's own model; the forward goes
+through the strategy's wrapper, under the precision's autocast.
+
+What the wrapper must not let drift silently: attributes set on it reach the user's model (which runs forward);
+nanoGPT's `model.require_backward_grad_sync = ...` reaches the wrapper where it acts; and where gradients are
+reduced by the wrapper (ddp, fsdp on 2+ processes), a method of the model that runs its layers outside forward
+is an error, or, once marked (mc.mark_forward), runs through the wrapper's forward.
+"""
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import unprefixed
+from .errors import UsageError
+from .precision import to_fp32
+
+SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
+_OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", SYNC)
 
 
 class Prepared(nn.Module):
     """A model as set up: the strategy's wrapper runs the forward (under autocast where `dtype` is given, the
     outputs handed back in fp32). Everything else reads as the user's own model: its attributes, `.module`,
-    and its state_dict, which has no wrapper prefix."""
+    and its state_dict, which has no wrapper prefix. `reduced`: the wrapper reduces gradients between processes
+    (its parameters are fixed at setup, and only its forward arms the reduction)."""
 
-    def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None):
+    def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None,
+                 reduced: bool = False, main: bool = True):
         super().__init__()
         self.forward_module = forward_module  # registered: train(), eval() and parameters() reach the model
-        self.__dict__.update(_module=module, _autocast=(device_type, dtype))  # not registered a second time
+        self.__dict__.update(_module=module, _autocast=(device_type, dtype), _reduced=reduced, _main=main,
+                             _marked=set(), _paused=0)  # not registered a second time
 
     @property
     def module(self) -> nn.Module:
@@ -29,9 +46,14 @@ class Prepared(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device_type, dtype = self._autocast
         if dtype is None:
-            return self.forward_module(*args, **kwargs)
-        with torch.autocast(device_type, dtype):
-            return to_fp32(self.forward_module(*args, **kwargs))
+            out = self.forward_module(*args, **kwargs)
+        else:
+            with torch.autocast(device_type, dtype):
+                out = to_fp32(self.forward_module(*args, **kwargs))
+        if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
+                self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
+            self._watch_backward(out)
+        return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         return self.module.state_dict(*args, **kwargs)
@@ -39,27 +61,145 @@ class Prepared(nn.Module):
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(unprefixed(state_dict), strict, assign)
 
+    # -- reading and writing attributes ----------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             if "_module" not in self.__dict__:
                 raise
-            return getattr(self.__dict__["_module"], name)
+        attr = getattr(self.__dict__["_module"], name)
+        if self.__dict__["_reduced"] and getattr(attr, "__self__", None) is self.module and callable(attr):
+            return self._guarded(name, attr)
+        return attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_module" not in self.__dict__ or name in self.__dict__ or name in _OWN or hasattr(type(self), name):
+            if name == SYNC and "_module" in self.__dict__:
+                self._set_grad_sync(bool(value))
+            return super().__setattr__(name, value)
+        if self._reduced and _holds_parameters(value):
+            raise UsageError(f"model.{name} = {type(value).__name__}(...) after setup: its parameters would not be "
+                             f"in the gradient reduction between processes; add it to the model before mc.setup")
+        setattr(self.module, name, value)  # the model that runs forward sees it (a property setter runs there)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__ or name in self._parameters or name in self._buffers or name in self._modules:
+            return super().__delattr__(name)
+        delattr(self.module, name)
+
+    def _set_grad_sync(self, value: bool) -> None:
+        """`model.require_backward_grad_sync = False` as on a DDP model: the next forward's backward is not
+        reduced (fsdp: no reduce-scatter until it is True again)."""
+        wrapper = self.forward_module
+        if isinstance(wrapper, DistributedDataParallel):
+            wrapper.require_backward_grad_sync = value
+        elif hasattr(wrapper, "set_requires_gradient_sync"):
+            wrapper.set_requires_gradient_sync(value)
+
+    # -- methods that run the model's layers outside forward ------------------------------------------------
+    def _guarded(self, name: str, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # nothing to reduce: run it as it is (e.g. generate on rank 0 only)
+                return method(*args, **kwargs)
+            if name in self._marked:
+                return self._through_forward(method, args, kwargs)
+            with _layers_refused(self.module, name):
+                return method(*args, **kwargs)
+
+        call.__name__ = name
+        return call
+
+    def _through_forward(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        """The method runs as the module's forward, called by the wrapper, so the reduction follows its output.
+        The substitute puts the real forward back first: the method may call forward (or self(...)) itself."""
+        module, before = self.module, self.module.__dict__.get("forward")
+
+        def once(*a: Any, **kw: Any) -> Any:
+            _restore_forward(module, before)
+            return method(*a, **kw)
+
+        module.__dict__["forward"] = once
+        try:
+            return self(*args, **kwargs)
+        finally:
+            _restore_forward(module, before)
+
+    # -- no_backward_sync -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """`with model.no_sync():` as on a DDP model (a DDP script's accumulation): mc.no_backward_sync(model)."""
+        before = self.__dict__.get(SYNC, True)
+        self.require_backward_grad_sync = False
+        try:
+            with self._sync_paused():
+                yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    @contextlib.contextmanager
+    def _sync_paused(self) -> Iterator[None]:
+        self.__dict__["_paused"] += 1
+        try:
+            yield
+        finally:
+            self.__dict__["_paused"] -= 1
+
+    def _watch_backward(self, out: Any) -> None:
+        """ddp arms its reduction in forward: a backward through this output inside no_backward_sync still
+        reduces. Say so once (the hook runs in backward; it costs nothing else)."""
+        tensor = _first_grad_tensor(out)
+        if tensor is None or _WARNED or not self._main:
+            return
+
+        def check(grad: torch.Tensor) -> None:
+            global _WARNED
+            if self._paused and not _WARNED:
+                _WARNED = True
+                print("multicard: a backward inside no_backward_sync reduced the gradients anyway: under ddp the "
+                      "forward decides, and its forward ran outside the context; run the forward inside it too",
+                      file=sys.stderr, flush=True)
+
+        tensor.register_hook(check)
 
 
-def to_fp32(obj: Any) -> Any:
-    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
-    per-card outputs with its sample counts included)."""
+_WARNED = False
+
+
+def _restore_forward(module: nn.Module, before: Any) -> None:
+    if before is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = before
+
+
+def _holds_parameters(value: Any) -> bool:
+    return isinstance(value, nn.Parameter) or (isinstance(value, nn.Module) and any(True for _ in value.parameters()))
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        out = copy.copy(obj)  # a list subclass keeps what else it carries
-        out[:] = [to_fp32(v) for v in obj]
-        return out
-    if isinstance(obj, tuple):
-        items = [to_fp32(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+        return obj if obj.requires_grad else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return next((t for t in map(_first_grad_tensor, items) if t is not None), None)
+
+
+@contextlib.contextmanager
+def _layers_refused(model: nn.Module, name: str) -> Iterator[None]:
+    """While a method of `model` runs with gradients on: one clear error before its first layer with trainable
+    parameters runs (outside the wrapper's forward its gradients would stay unreduced, the replicas drifting)."""
+    trainable = {id(m) for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))}
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if id(module) in trainable and torch.is_grad_enabled():
+            raise UsageError(f"model.{name}() runs the model's layers outside its forward: their gradients would "
+                             f"not be reduced between the processes. Call mc.mark_forward(model, {name!r}) after "
+                             f"setup (then model.{name}() runs through the wrapper's forward), or run it under "
+                             f"torch.no_grad() if nothing backpropagates through it")
+
+    handle = nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+

@@ -107,6 +107,14 @@ class Strategy:
         """Every process's `obj`, in rank order."""
         return [obj]
 
+    def broadcast(self, obj: Any, src: int) -> Any:
+        """Process `src`'s picklable `obj` on every process."""
+        return obj
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Process `src`'s `tensor` written into `tensor` (same shape and dtype) on every process."""
+        return tensor
+
     def barrier(self) -> None:
         """Wait here for every process (one process: nothing to wait for)."""
 

@@ -42,7 +42,13 @@ class DDP(Strategy):
         if self.devices.kind == "cpu":  # each process takes its share of the cores, not all of them
             torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
-        dist.init(job, self.device.type, self.timeout_s)
+        if torch_dist.is_initialized():  # another Multicard (or the script itself) joined the job already
+            _check_group(job, self.device.type)
+        else:
+            dist.init(job, self.device.type, self.timeout_s)
+            _GROUP["ours"] = True
+        _GROUP["users"] += 1
+        self.in_group = True
 
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.device.type == "cuda":
@@ -77,10 +83,45 @@ class DDP(Strategy):
         torch_dist.all_gather_object(parts, obj)
         return parts
 
+    def broadcast(self, obj: Any, src: int) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.world > 1:
+            torch_dist.broadcast(tensor, src)
+        return tensor
+
     def barrier(self) -> None:
         if self.world > 1:
             torch_dist.barrier(device_ids=self.cards or None)
 
     def stop(self) -> None:
         gc.collect()  # DDP's reducer may sit in a reference cycle: free it while the group is still up
-        dist.teardown()
+        if getattr(self, "in_group", False):
+            self.in_group, _GROUP["users"] = False, _GROUP["users"] - 1
+        if _GROUP["users"] == 0 and _GROUP["ours"]:  # the last Multicard on a group we joined: leave it
+            _GROUP["ours"] = False
+            dist.teardown()
+
+
+# The process group is one per process: every Multicard in it shares the one joined first, and the last to close
+# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy).
+_GROUP = {"users": 0, "ours": False}
+
+
+def _check_group(job: Job, device_type: str) -> None:
+    """A group joined before this Multicard serves it if it is this job's: the same rank, world and a backend
+    for this device's tensors."""
+    world, rank = (job.world, job.rank) if job.launched else (1, 0)
+    have = (torch_dist.get_rank(), torch_dist.get_world_size())
+    if have != (rank, world):
+        raise UsageError(f"this process joined a process group as rank {have[0]} of {have[1]}, but its job says "
+                         f"rank {rank} of {world}: destroy that group, or let Multicard join the job")
+    backend = str(torch_dist.get_backend())
+    if device_type == "cpu" and "gloo" not in backend:
+        raise UsageError(f"this process joined a {backend} process group, which cannot reduce CPU tensors: "
+                         f"join with gloo, or let Multicard join the job")

@@ -1,0 +1,184 @@
+"""Between processes: reductions, gathers and broadcasts of any structure of tensors and numbers, rank 0 going
+first, and splitting work (inference inputs, evaluation outputs) over the processes.
+
+Every function takes the strategy (its all_reduce, gather, broadcast and barrier are the collectives; one process
+answers them itself) and is called on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+from .strategies import Strategy
+
+OPS = ("sum", "mean", "max", "min")
+# The shape check costs a collective of its own: 1.3-1.7% of a LeNet-5 ddp step on 2 loaded CPU cores (see
+# docs/your-loop.md), over the 1% an always-on check may cost; so it is a debugging switch.
+CHECK_SHAPES = "MULTICARD_CHECK_SHAPES"
+
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(where, value) for every tensor or number in dicts, lists and tuples, in a fixed order."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from leaves(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def rebuild(obj: Any, values: Iterator) -> Any:
+    """`obj`'s structure with its leaves taken in order from `values` (named tuples and list subclasses kept)."""
+    if isinstance(obj, dict):
+        return type(obj)((k, rebuild(v, values)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        items = [rebuild(v, values) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return next(values)
+
+
+def _describe(structure: Any) -> list[tuple[str, str]]:
+    """(where, "shape dtype") of each leaf: what must agree across the processes."""
+    return [(where, f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}") for where, t in structure]
+
+
+def check_shapes(strategy: Strategy, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """One collective of two numbers: a checksum of every leaf's place, shape and dtype, max-reduced with its
+    negation (equal everywhere only if max == -min). On a mismatch the descriptions are gathered to name it."""
+    mine = _describe(tensors)
+    crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ between processes
+    seen = strategy.all_reduce(torch.tensor([crc, -crc], dtype=torch.int64, device=strategy.device), "max")
+    if seen[0].item() == crc and seen[1].item() == -crc:
+        return
+    everyone = strategy.gather(mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            ours, other = dict(mine), dict(theirs)
+            diff = [w for w in dict.fromkeys([*ours, *other]) if ours.get(w) != other.get(w)]
+            where = diff[0] if diff else ""
+            raise UsageError(f"all_reduce: the value{where or ''} is {ours.get(where, 'missing')} on rank "
+                             f"{strategy.rank} but {other.get(where, 'missing')} on rank {rank}: every process must "
+                             f"pass the same structure, shapes and dtypes")
+
+
+def all_reduce(strategy: Strategy, value: Any, op: str = "sum") -> Any:
+    """Each tensor or number in `value` (or a dict / list / tuple of them, nested) combined over all processes:
+    sum, mean, max or min. New tensors, on the device each value was on; the structure kept."""
+    if op not in OPS:
+        raise UsageError(f"all_reduce op {op!r}: choose one of {', '.join(OPS)}")
+    found = list(leaves(value))
+    for where, leaf in found:
+        if not isinstance(leaf, (torch.Tensor, int, float, bool)):
+            raise UsageError(f"all_reduce: value{where} is a {type(leaf).__name__}: only tensors and numbers "
+                             f"(in dicts, lists and tuples) can be reduced; use gather for other objects")
+    tensors = [(where, torch.as_tensor(leaf)) for where, leaf in found]
+    if strategy.world > 1 and os.environ.get(CHECK_SHAPES, "0") == "1":
+        check_shapes(strategy, tensors)
+    out = []
+    for _, tensor in tensors:
+        if op == "mean" and not tensor.is_floating_point():
+            tensor = tensor.double()
+        reduced = strategy.all_reduce(tensor.to(strategy.device), "sum" if op == "mean" else op)
+        out.append((reduced / strategy.world if op == "mean" else reduced).to(tensor.device))
+    return rebuild(value, iter(out))
+
+
+def gather(strategy: Strategy, obj: Any) -> list:
+    """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order."""
+    return strategy.gather(obj)
+
+
+def broadcast(strategy: Strategy, obj: Any, src: int = 0) -> Any:
+    """Process `src`'s `obj` on every process (anything picklable; tensors land on the device each process's
+    own `obj` was on, or this process's device where its `obj` is not a tensor)."""
+    if not 0 <= src < strategy.world:
+        raise UsageError(f"broadcast src={src}: the job has ranks 0 to {strategy.world - 1}")
+    if strategy.world == 1:
+        return obj
+    if isinstance(obj, torch.Tensor):  # a tensor goes as a tensor; its shape and dtype come first
+        meta = strategy.broadcast([tuple(obj.shape), obj.dtype], src)
+        buffer = obj.to(strategy.device) if strategy.rank == src else \
+            torch.empty(meta[0], dtype=meta[1], device=strategy.device)
+        return strategy.broadcast_tensor(buffer.clone(), src).to(obj.device)
+    return strategy.broadcast(obj, src)
+
+
+@contextlib.contextmanager
+def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
+    """Rank 0 (local=True: each machine's local rank 0) runs the body while the others wait; then they run it
+    (reading what it downloaded or cached). Every process must enter it."""
+    first = (strategy.job.local_rank if local else strategy.rank) == 0
+    if not first:
+        strategy.barrier()
+    yield
+    if first:
+        strategy.barrier()
+
+
+def split(strategy: Strategy, inputs: Any) -> Any:
+    """This process's contiguous part of `inputs` (a list, tuple, tensor or other sliceable sequence, or a dict
+    of them): parts differ by at most one item, rank 0's first; concatenated in rank order they are `inputs`."""
+    if isinstance(inputs, dict):
+        return type(inputs)((k, split(strategy, v)) for k, v in inputs.items())
+    if not hasattr(inputs, "__getitem__") or not hasattr(inputs, "__len__"):
+        raise UsageError(f"split takes a list, tuple, tensor or dict of them, not {type(inputs).__name__}")
+    start, stop = bounds(len(inputs), strategy.rank, strategy.world)
+    return inputs[start:stop]
+
+
+def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank's part of `size` items: the first size % world ranks take one more."""
+    base, extra = divmod(size, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) -> Any:
+    """An evaluation loader's outputs from every process, back in dataset order: rank r holds samples r, r+N,
+    r+2N, ... (train=False shards; also a DistributedSampler without shuffle), so the parts are interleaved.
+    `outputs`: this process's per-sample results in its loader's order: a tensor (one row per sample), a list
+    of per-sample values, or a dict / tuple of these. `total` (the dataset's size) drops what is beyond it:
+    the padding a DistributedSampler repeats. Every process gets the whole result."""
+    parts = strategy.gather(_to_cpu(outputs))
+    merged = _interleave(parts, total)
+    return _move(merged, outputs)
+
+
+def _interleave(parts: list, total: int | None) -> Any:
+    first = parts[0]
+    if isinstance(first, dict):
+        return type(first)((k, _interleave([p[k] for p in parts], total)) for k in first)
+    if isinstance(first, tuple):
+        return type(first)(_interleave([p[i] for p in parts], total) for i in range(len(first)))
+    lengths = [len(p) for p in parts]
+    if lengths != sorted(lengths, reverse=True) or lengths[0] - lengths[-1] > 1:
+        raise UsageError(f"gather_in_order: the processes hold {lengths} samples; round-robin shards differ by at "
+                         f"most one, the first ranks holding more (pass per-sample outputs of an evaluation loader)")
+    world, starts = len(parts), [sum(lengths[:r]) for r in range(len(parts))]
+    size = min(sum(lengths), total) if total is not None else sum(lengths)
+    where = [starts[i % world] + i // world for i in range(size)]  # sample i sits at row i // N of rank i % N
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)[torch.tensor(where, dtype=torch.long)]
+    flat = [item for part in parts for item in part]
+    return [flat[i] for i in where]
+
+
+def _to_cpu(obj: Any) -> Any:
+    return rebuild(obj, (t.cpu() if isinstance(t, torch.Tensor) else t for _, t in leaves(obj)))
+
+
+def _move(merged: Any, like: Any) -> Any:
+    """Tensors back onto the device of the outputs passed in (the gather went through the CPU)."""
+    device = next((t.device for _, t in leaves(like) if isinstance(t, torch.Tensor)), None)
+    if device is None:
+        return merged
+    return rebuild(merged, (t.to(device) if isinstance(t, torch.Tensor) else t for _, t in leaves(merged)))

@@ -1,0 +1,60 @@
+"""Precisions of the front object: the autocast dtype of each, outputs handed back in fp32, and fp16's gradient
+scaler behind optimizer.step()."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from typing import Any
+
+import torch
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
+
+
+def autocast(device_type: str, precision: str) -> contextlib.AbstractContextManager:
+    """The precision's autocast (nothing for fp32)."""
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype)
+
+
+def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: torch.Tensor) -> None:
+    """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
+    the loop keeps calling optimizer.step(); `skipped` counts the steps skipped. A bound method still, so LR
+    schedulers can wrap it as usual."""
+    plain, busy = optimizer.step, []
+
+    def step(opt, *args, **kwargs):
+        if busy:  # GradScaler.step calls optimizer.step itself: that is the plain step
+            return plain(*args, **kwargs)
+        busy.append(True)
+        try:
+            before = scaler._scale.clone()
+            out = scaler.step(opt, *args, **kwargs)
+            scaler.update()
+            skipped.add_(scaler._scale < before)  # backed off: this step was skipped (no host sync)
+            return out
+        finally:
+            busy.clear()
+
+    if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
+        step._wrapped_by_lr_sched = True
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+def to_fp32(obj: Any) -> Any:
+    """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
+    per-card outputs with its sample counts included)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        out = copy.copy(obj)  # a list subclass keeps what else it carries
+        out[:] = [to_fp32(v) for v in obj]
+        return out
+    if isinstance(obj, tuple):
+        items = [to_fp32(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj

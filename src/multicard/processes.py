@@ -1,0 +1,55 @@
+"""The job of a front object: the strategy chosen from its arguments and the launcher's environment, and the
+body of each process that Multicard.launch spawns."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from . import strategies
+from .devices import select
+from .dist import Job
+from .errors import UsageError
+from .precision import PRECISIONS
+from .strategies import Strategy
+
+
+def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: Job, *, find_unused_parameters: bool,
+                  fsdp_blocks: str, reshard_after_forward: bool, timeout: float) -> Strategy:
+    """The strategy for Multicard(...)'s arguments; every combination that cannot work is one clear line."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if isinstance(strategy, Strategy):
+        strategy.job = job
+    else:
+        if strategy == "auto":
+            strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
+        # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
+        devices = os.environ.get("MULTICARD_DEVICES", devices) if job.launcher == "multicard" else devices
+        strategy = strategies.create(strategy, select(devices), job, find_unused_parameters)
+    if not 0 < timeout < float("inf"):
+        raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
+    strategy.timeout_s = timeout
+    if getattr(strategy, "sharded", False):
+        if precision == "fp16":
+            raise UsageError("fsdp takes precision bf16 (its own mixed precision: bf16 compute, fp32 "
+                             "reductions) or fp32, not fp16")
+        if not hasattr(strategy, "param_dtype"):
+            strategy.blocks, strategy.reshard_after_forward = fsdp_blocks, reshard_after_forward
+            strategy.param_dtype = PRECISIONS[precision]
+    return strategy
+
+
+def launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple,
+             loggers: list) -> Any:
+    """The body of a process that Multicard.launch spawned."""
+    from .front import Multicard
+
+    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
+                   timeout=strategy.timeout_s, loggers=loggers)
+    args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
+    return mc.launch(fn, *args)
