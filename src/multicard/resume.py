@@ -87,6 +87,8 @@ def claim(out: str | Path, resumed: Path | None) -> str:
         return own["run"]
     run = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
     folder = Path(out) / FOLDER
+    if resumed is None and not folder.exists():  # nothing to claim yet: the first checkpoint's write claims it
+        return run
     moved: dict[Path, list[str]] = {}
     for old in whole(out):
         if resumed is None or old != resumed.parent:
@@ -125,8 +127,8 @@ def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) ->
     part = final.with_name(final.name + ".part")
     run = None
     if mc.is_main:
-        run = (owner(out) or {}).get("run") or claim(out, None)
         part.mkdir(parents=True, exist_ok=True)
+        run = (owner(out) or {}).get("run") or claim(out, None)
         (part / MARK).write_text(run + "\n")  # first: a kill from here on leaves a folder provably ours
         state = {**state, "run": run}
     mc.save(part / "state.pt", state)
