@@ -117,12 +117,12 @@ class Restricted(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-def metadata(where: Path):
+def metadata(where: Path, name: str = ".metadata"):
     """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        found = Restricted(io.BytesIO((where / ".metadata").read_bytes())).load()
+        found = Restricted(io.BytesIO((where / name).read_bytes())).load()
     except OSError as e:
         raise UsageError(f"shards folder {where}: no readable .metadata ({e.strerror or type(e).__name__})") from None
     except Exception as e:  # pickle raises many kinds for a damaged or foreign file
@@ -140,9 +140,7 @@ def reader(where: Path):
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            if kwargs.get("rank") is not None:  # a per-rank metadata file: not what multicard writes
-                raise UsageError(f"shards folder {where}: per-rank metadata is not read")
-            found = metadata(Path(self.path))
+            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name)
             if getattr(found, "storage_meta", None) is None:
                 found.storage_meta = StorageMeta()
             found.storage_meta.load_id = self.load_id
