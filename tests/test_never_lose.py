@@ -142,16 +142,17 @@ def test_a_planted_value_in_the_shards_is_refused(tmp_path):
 @pytest.mark.slow
 def test_resume_under_fsdp_with_a_planted_metadata_is_one_line(tmp_path):
     out, marker = tmp_path / "out", tmp_path / "ran"
-    run(out, strategy="fsdp", devices="cpu:2", save_every_steps=2)
+    fsdp = dict(strategy="fsdp", devices="cpu:2", scheduler="step", augment=False)
+    run(out, save_every_steps=2, **fsdp)
     step = resume.whole(out)[-1]
     metadata = next(step.glob("state.shards-*/.metadata"))
     genuine = metadata.read_bytes()
     metadata.write_bytes(pickle.dumps(Planted(marker)))
     with pytest.raises(UsageError, match=r"\.metadata is refused"):
-        run(tmp_path / "again", strategy="fsdp", devices="cpu:2", resume=str(step), epochs=2)
+        run(tmp_path / "again", resume=str(step), epochs=2, **fsdp)
     assert not marker.exists()
     metadata.write_bytes(genuine)  # the genuine one still resumes
-    assert run(tmp_path / "again", strategy="fsdp", devices="cpu:2", resume=str(step), epochs=2)["epochs"] == 2
+    assert run(tmp_path / "again", resume=str(step), epochs=2, **fsdp)["optimizer_steps"] == 8
 
 
 # -- 3. only what multicard can prove it wrote is deleted ----------------------------------------------------------
