@@ -303,6 +303,18 @@ def test_an_out_out_of_space_is_one_line(tmp_path, monkeypatch):
     assert shown(tmp_path) == {}
 
 
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
+    from multicard import checkpoint
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UsageError, match=r"cannot write .*state.pt \(No space left on device\): free space"):
+        checkpoint.write_atomic({"a": 1}, tmp_path / "state.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("edit, words", [
     (lambda s: s["config"].update(batch_size="24"), "config.s batch_size or epochs is not a positive"),
     (lambda s: s.update(history="x"), "history is not a list"),
