@@ -401,7 +401,7 @@ def earlier_runs(work: Path, cases: int, rng: random.Random) -> dict:
 PUBLISHER = """
 import os, shutil, signal, sys
 from pathlib import Path
-from multicard.report import FILES, Output
+from multicard.outdir import FILES, Output
 out, point, first = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "first"
 
 def finished(output, tag, events):
@@ -435,7 +435,7 @@ def shown_files(out: Path) -> dict[str, str]:
 
 
 def publish_kills(work: Path) -> list[dict]:
-    from multicard.report import FILES, Output
+    from multicard.outdir import FILES, Output
 
     script = work / "publisher.py"
     script.write_text(PUBLISHER)

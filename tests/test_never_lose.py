@@ -17,7 +17,7 @@ from conftest import shown, tiny_images
 from multicard import resume, shards
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.report import FILES, Output
+from multicard.outdir import FILES, Output
 
 LIGHT = dict(quiet=True, batch_size=24, strategy="single", devices="cpu")  # 96 samples: 4 steps per epoch
 

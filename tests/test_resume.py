@@ -22,7 +22,8 @@ from multicard import resume
 from multicard.errors import UsageError
 from multicard.launcher import RankFailed
 from multicard.models import LeNet5
-from multicard.report import Output, strict
+from multicard.outdir import Output
+from multicard.report import strict
 
 LIGHT = dict(quiet=True, lr=3e-3, batch_size=24, epochs=3)  # 96 samples: 4 steps per epoch, 12 in all
 

@@ -30,7 +30,8 @@ import torch
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
-from .report import MARK, say
+from .outdir import MARK
+from .report import say
 
 FOLDER = "checkpoints"
 OWNER = "run.json"

@@ -28,8 +28,9 @@ from .launcher import RankFailed, said
 from .loop import accuracy, fit
 from .memory import MB
 from .observe import TensorBoardLogger, straggler
+from .outdir import FILES, OPTIONAL, Output
 from .recipe import make_optimizer, make_scheduler
-from .report import FILES, OPTIONAL, Output, Report, say
+from .report import Report, say
 from .resume import claim, describe, inherit, resolve
 
 
