@@ -88,7 +88,8 @@ class Output:
             if run.name != current:
                 remove(run)
         for part in self.path.glob("*.part"):
-            if part.is_symlink() and LINK_PART.fullmatch(part.name) and ours(part):
+            named = LINK_PART.fullmatch(part.name)
+            if named and (ours(part) or ours(part, f"{CURRENT}/{named.group(1)}")):
                 part.unlink()
             else:
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
@@ -153,14 +154,11 @@ class Output:
 
 
 def ours(path: Path, target: str | None = None) -> bool:
-    """Whether `path` is a link multicard makes: to `target`, or (no target) to a run folder or into .current."""
+    """Whether `path` is a link multicard makes: to `target`, or (no target) to a run folder beside it."""
     if not path.is_symlink():
         return False
     aim = os.readlink(path)
-    if target is not None:
-        return aim == target
-    return ("/" not in aim and aim.startswith(".run-")) or aim in {f"{CURRENT}/{name}" for name in (*FILES,
-                                                                                                  *OPTIONAL)}
+    return aim == target if target is not None else "/" not in aim and aim.startswith(".run-")
 
 
 def link(path: Path, target: str) -> None:

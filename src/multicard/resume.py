@@ -92,7 +92,7 @@ def claim(out: str | Path, resumed: Path | None) -> str:
         return run
     moved: dict[Path, list[str]] = {}
     for old in whole(out):
-        if resumed is None or old != resumed.parent:
+        if resumed is None or not same(old, resumed.parent):
             moved.setdefault(aside(old, run), []).append(old.name)
     for place, names in moved.items():
         say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {place}: nothing deleted; "
