@@ -23,9 +23,22 @@ attempt that fails by itself (its error printed before the kill) ends the chain:
 --out. Part 2's processes run on one thread (OMP_NUM_THREADS=1) with augmentation off, so that steps are short
 and writes a large share of the time.
 
+Part 3, an earlier run's checkpoints in --out: a one-process run (--lr 0.008, 3 epochs, a checkpoint every 4
+steps) is left in --out; then --earlier times a fresh run at another rate (--lr 0.001, 2 epochs) into that --out
+is SIGKILLed at a random instant after its own first checkpoint, and `--resume auto` finishes it. Target: every
+resume goes on from the fresh run's own checkpoint (never the earlier run's higher step numbers), its model.pt is
+bit-identical to an unkilled run at 0.001 in an empty --out, and the earlier run's checkpoints are all still
+there (in checkpoints/run-<its id>/).
+
+Part 4, kills during publish: a child process publishes a finished run folder into an --out (empty: a first run;
+or showing an earlier run) and SIGKILLs itself at the k-th call that changes the disk (symlink, rename, unlink,
+rmtree), for every k until one publish ends without a kill. Target: after each kill --out shows the run before
+(nothing, for a first run) or the new one whole, never a mix; and the next run's publish leaves it clean.
+
 Run with the multicard under test on PYTHONPATH (the spawned processes inherit it):
 
-    PYTHONPATH=src .venv/bin/python benchmarks/never_lose.py [--runs 20] [--kills 50] [--out benchmarks/results/...]
+    PYTHONPATH=src .venv/bin/python benchmarks/never_lose.py [--runs 20] [--kills 50] [--earlier 3]
+        [--out benchmarks/results/...]       (--runs 0 --kills 0: parts 3 and 4 alone, ~2 min)
 """
 
 from __future__ import annotations
@@ -333,12 +346,137 @@ def write_kills(work: Path, kills: int, rng: random.Random) -> list[dict]:
     return rows
 
 
+# -- part 3 ----------------------------------------------------------------------------------------------------
+
+EARLIER_ARGS = ["--devices", "cpu", "--model", "lenet5", "--data", "synthetic", "--synthetic-samples", "384",
+                "--no-augment", "--batch-size", "32", "--save-every-steps", "4", "--keep-checkpoints", "2", "--quiet"]
+EARLIER_STEPS = 384 // 32  # an epoch
+
+
+def train_into(out: Path, log: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MC, *EARLIER_ARGS, *extra, "--out", str(out)], stdout=log.open("w"),
+                          stderr=subprocess.STDOUT, env=WRITE_ENV, timeout=600)
+
+
+def earlier_runs(work: Path, cases: int, rng: random.Random) -> dict:
+    base, fresh = work / "earlier", ["--lr", "0.001", "--epochs", "2"]
+    if train_into(base, work / "earlier.log", "--lr", "0.008", "--epochs", "3").returncode:
+        raise RuntimeError(f"part 3's earlier run failed:\n{tail(work / 'earlier.log')}")
+    earlier_steps = [p.name for p in resume.whole(base)]
+    unkilled = work / "unkilled"
+    train_into(unkilled, work / "unkilled.log", *fresh)
+    rows = []
+    for i in range(cases):
+        out, log = work / f"earlier-{i}", work / f"earlier-{i}.log"
+        shutil.copytree(base, out, symlinks=True)
+        delay = rng.uniform(0, 0.5)
+        with open(log, "w") as f:
+            proc = subprocess.Popen([*MC, *EARLIER_ARGS, *fresh, "--out", str(out)], stdout=f,
+                                    stderr=subprocess.STDOUT, env=WRITE_ENV)
+            while proc.poll() is None and not (out / "checkpoints" / "step-00000004" / "state.pt").is_file():
+                time.sleep(POLL_S)
+            time.sleep(delay)
+            proc.kill()
+            proc.wait()
+        owner = (resume.owner(out) or {}).get("run")
+        kept = sorted(p.name for p in (out / "checkpoints").glob("run-*/step-*"))
+        done = train_into(out, work / f"earlier-{i}-resume.log", *fresh, "--resume", "auto")
+        summary = json.loads((out / "summary.json").read_text()) if done.returncode == 0 else {}
+        from_path = Path(summary.get("resumed_from") or "")
+        same, why = bit_identical(out / "model.pt", unkilled / "model.pt") if summary else (False, "no model")
+        rows.append({"case": i, "delay_s": round(delay, 3), "resume_exit": done.returncode,
+                     "resumed_from": summary.get("resumed_from"),
+                     "resumed_own_run": from_path.is_file() and resume.run_of(from_path.parent) == owner,
+                     "lr": summary.get("config", {}).get("lr"), "bit_identical": same, "difference": why,
+                     "earlier_kept": kept == earlier_steps,
+                     "ok": same and kept == earlier_steps and from_path.parent.parent.name == "checkpoints"})
+        print(f"  case {i + 1}: killed {delay:.2f} s after its step 4; resumed from "
+              f"{summary.get('resumed_from')}; bit-identical {same}; earlier run's {earlier_steps} kept "
+              f"{kept == earlier_steps}", flush=True)
+    return {"earlier_checkpoints": earlier_steps, "cases": rows, "ok": sum(r["ok"] for r in rows)}
+
+
+# -- part 4 ----------------------------------------------------------------------------------------------------
+
+PUBLISHER = """
+import os, shutil, signal, sys
+from pathlib import Path
+from multicard.outdir import FILES, Output
+out, point, first = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "first"
+
+def finished(output, tag, events):
+    folder = output.new_run()
+    for name in FILES:
+        (folder / name).write_text(tag + " " + name)
+    if events:
+        (folder / "tensorboard").mkdir()
+    return folder
+
+with Output(str(out)) as output:
+    if not first:
+        output.publish(finished(output, "old", True))
+    new = finished(output, "new", False)
+    left = [point]
+    def dies(real):
+        def call(*args, **kwargs):
+            left[0] -= 1
+            if left[0] < 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        return call
+    os.symlink, os.replace, shutil.rmtree, Path.unlink = (dies(f) for f in (os.symlink, os.replace, shutil.rmtree,
+                                                                            Path.unlink))
+    output.publish(new)
+"""
+
+
+def shown_files(out: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(out.iterdir()) if not p.name.startswith(".") and p.is_file()}
+
+
+def publish_kills(work: Path) -> list[dict]:
+    from multicard.outdir import FILES, Output
+
+    script = work / "publisher.py"
+    script.write_text(PUBLISHER)
+    rows = []
+    for first in (True, False):
+        point = 0
+        while True:
+            out = work / f"publish-{'first' if first else 'later'}-{point}"
+            code = subprocess.run([sys.executable, str(script), str(out), str(point),
+                                   "first" if first else "later"]).returncode
+            now = shown_files(out)
+            old = {} if first else {name: f"old {name}" for name in FILES}
+            new = {name: f"new {name}" for name in FILES}
+            whole = now in (old, new) and not ((out / "tensorboard").exists() and now == new)
+            with Output(str(out)) as output:  # the next run
+                folder = output.new_run()
+                for name in FILES:
+                    (folder / name).write_text(f"next {name}")
+                output.publish(folder)
+            clean = shown_files(out) == {name: f"next {name}" for name in FILES} and \
+                len(list(out.glob(".run-*"))) == 1 and not list(out.glob("*.part"))
+            rows.append({"first_run": first, "killed_at_call": point, "killed": code == -signal.SIGKILL,
+                         "exit_code": code, "showed": "before" if now == old else "new" if now == new else "MIX",
+                         "whole": whole, "next_run_clean": clean})
+            print(f"  {'first' if first else 'later'} run, kill at call {point}: "
+                  f"{'killed' if code == -signal.SIGKILL else f'exit {code}'}, showed {rows[-1]['showed']}, "
+                  f"next run clean {clean}", flush=True)
+            if code != -signal.SIGKILL or point > 40:
+                break
+            point += 1
+    return rows
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="part 1: killed ddp runs")
     parser.add_argument("--kills", type=int, default=50, help="part 2: kills of the checkpoint-writing run")
+    parser.add_argument("--earlier", type=int, default=3, help="part 3: killed fresh runs into an --out holding "
+                        "an earlier run's checkpoints")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "never_lose.json")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders and logs")
     args = parser.parse_args()
@@ -346,29 +484,36 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="never-lose-"))
     began = time.monotonic()
 
-    print(f"part 1: reference run ({shlex.join(DDP_ARGS)})", flush=True)
-    ref = reference(work)
-    times = ref["checkpoint_appeared_s"]
-    at = list(times.values())
-    ref_interval = statistics.median(b - a for a, b in zip(at, at[1:], strict=False))
-    print(f"  {ref['wall_s']:.1f} s; workers at {ref['workers_at_s']:.1f} s; checkpoints from "
-          f"{times[SAVE_EVERY]:.2f} s to {times[DDP_STEPS]:.2f} s after both workers exist, every "
-          f"{ref_interval:.3f} s (median); ended at {ref['ended_s']:.2f} s", flush=True)
-    runs = []
-    for i in range(args.runs):
-        row = killed_run(work, i, rng, Path(ref["out"]) / "model.pt", ref_interval)
-        runs.append(row)
-        print(f"  run {i + 1:2d}/{args.runs}: kill at step {row['kill_at_step']:6.2f} ({row['pid_order']} pid)  exit "
-              f"{row['exit_code']}  restarts {row['restarts']}  resumed from step {row['restart_resumed_from_step']}"
-              f"{' (an epoch end)' if row['resumed_from_an_epoch_end'] else ''}  bit-identical {row['bit_identical']}"
-              + (f"  {row['difference']}" if "difference" in row else ""), flush=True)
-        if "output_tail" in row:
-            print("    " + row["output_tail"].replace("\n", "\n    "), flush=True)
+    runs, ref, ref_interval = [], {}, None
+    if args.runs:
+        print(f"part 1: reference run ({shlex.join(DDP_ARGS)})", flush=True)
+        ref = reference(work)
+        times = ref["checkpoint_appeared_s"]
+        at = list(times.values())
+        ref_interval = statistics.median(b - a for a, b in zip(at, at[1:], strict=False))
+        print(f"  {ref['wall_s']:.1f} s; workers at {ref['workers_at_s']:.1f} s; checkpoints from "
+              f"{times[SAVE_EVERY]:.2f} s to {times[DDP_STEPS]:.2f} s after both workers exist, every "
+              f"{ref_interval:.3f} s (median); ended at {ref['ended_s']:.2f} s", flush=True)
+        for i in range(args.runs):
+            row = killed_run(work, i, rng, Path(ref["out"]) / "model.pt", ref_interval)
+            runs.append(row)
+            print(f"  run {i + 1:2d}/{args.runs}: kill at step {row['kill_at_step']:6.2f} ({row['pid_order']} pid)  "
+                  f"exit {row['exit_code']}  restarts {row['restarts']}  resumed from step "
+                  f"{row['restart_resumed_from_step']}{' (an epoch end)' if row['resumed_from_an_epoch_end'] else ''}"
+                  f"  bit-identical {row['bit_identical']}"
+                  + (f"  {row['difference']}" if "difference" in row else ""), flush=True)
+            if "output_tail" in row:
+                print("    " + row["output_tail"].replace("\n", "\n    "), flush=True)
     part1_s = time.monotonic() - began
 
     print(f"part 2: {args.kills} kills of a run writing a checkpoint every step ({shlex.join(WRITE_ARGS)})",
           flush=True)
-    kills = write_kills(work, args.kills, rng)
+    kills = write_kills(work, args.kills, rng) if args.kills else []
+    part2_s = time.monotonic() - began - part1_s
+    print(f"part 3: {args.earlier} fresh runs killed in an --out holding an earlier run's checkpoints", flush=True)
+    earlier = earlier_runs(work, args.earlier, rng) if args.earlier else {"cases": [], "ok": 0}
+    print("part 4: a kill at each point of publish", flush=True)
+    published = publish_kills(work)
     total = time.monotonic() - began
 
     finished = sum(r["exit_code"] == 0 for r in runs)
@@ -396,7 +541,11 @@ def main() -> None:
                                                       for r in kills),
               "attempts_that_failed_by_themselves": sum(r["attempt_failed"] for r in kills),
               "epoch_end_resume_runs_ok": sum(r["resume_run"]["ok"] for r in kills
-                                              if r.get("epoch_end") and "resume_run" in r)}
+                                              if r.get("epoch_end") and "resume_run" in r),
+              "earlier_cases": len(earlier["cases"]), "earlier_cases_ok": earlier["ok"],
+              "publish_kills": sum(r["killed"] for r in published),
+              "publish_kills_whole": sum(r["killed"] and r["whole"] for r in published),
+              "publish_next_run_clean": sum(r["next_run_clean"] for r in published)}
 
     print("\n| target | result |\n|---|---:|")
     print(f"| killed ddp runs that finish (--max-restarts 1) | {finished}/{len(runs)} |")
@@ -416,6 +565,11 @@ def main() -> None:
           f"{counts['restarts_from_an_epoch_end_finished']}/{counts['restarts_from_an_epoch_end']} |")
     print(f"| part 2 kills whose newest checkpoint is at an epoch's end; their resume runs ok | "
           f"{counts['kills_leaving_an_epoch_end_checkpoint']}; {counts['epoch_end_resume_runs_ok']} |")
+    print(f"| fresh runs killed beside an earlier run's checkpoints, resumed from their own, bit-identical, the "
+          f"earlier kept | {earlier['ok']}/{len(earlier['cases'])} |")
+    print(f"| kills at each point of publish leaving --out showing one whole run; next run clean | "
+          f"{counts['publish_kills_whole']}/{counts['publish_kills']}; {counts['publish_next_run_clean']}/"
+          f"{len(published)} |")
     print(f"\ntotal wall time {total / 60:.1f} min (part 1 {part1_s / 60:.1f} min)")
 
     result = {
@@ -438,14 +592,17 @@ def main() -> None:
                      "the same --out", "part2_accept": "resolve('auto') + describe() + torch.load(weights_only=True)"
                      " + LeNet5().load_state_dict(strict); every 10th: a copy resumed by multicard train to its "
                      "epoch's end (exit 0, resumed from that checkpoint, all steps of the epochs counted)"},
-        "counts": counts, "reference": ref, "runs": runs, "kills": kills,
-        "wall_s": {"total": total, "part1": part1_s, "part2": total - part1_s},
+        "counts": counts, "reference": ref, "runs": runs, "kills": kills, "earlier": earlier,
+        "publish": published,
+        "wall_s": {"total": total, "part1": part1_s, "part2": part2_s,
+                                                              "parts3_4": total - part1_s - part2_s},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     failed = finished < len(runs) or identical < len(runs) or accepted < len(kills) or \
-        counts["resume_runs_ok"] < len(resumed)
+        counts["resume_runs_ok"] < len(resumed) or earlier["ok"] < len(earlier["cases"]) or \
+        counts["publish_kills_whole"] < counts["publish_kills"]
     if args.keep or failed:
         print(f"runs and logs kept in {work}")
     else:

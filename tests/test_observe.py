@@ -21,7 +21,7 @@ from multicard.config import TrainConfig
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 from multicard.observe import Progress, curves, straggler
-from multicard.report import FILES, Output
+from multicard.outdir import FILES, Output
 
 # 96 samples, 16 per step: 6 optimizer steps per epoch
 TINY = dict(strategy="single", devices="cpu", epochs=2, batch_size=16, lr=4e-3, augment=False, quiet=True, seed=0)

@@ -22,7 +22,8 @@ from multicard import resume
 from multicard.errors import UsageError
 from multicard.launcher import RankFailed
 from multicard.models import LeNet5
-from multicard.report import Output, strict
+from multicard.outdir import Output
+from multicard.report import strict
 
 LIGHT = dict(quiet=True, lr=3e-3, batch_size=24, epochs=3)  # 96 samples: 4 steps per epoch, 12 in all
 
@@ -240,9 +241,10 @@ def test_a_kill_at_any_instant_leaves_a_checkpoint_to_resume_from(tmp_path):
         state = torch.load(found, weights_only=True)
         LeNet5().load_state_dict(state["model"])
         assert state["steps"] == int(found.parent.name.split("-")[1])
-    with Output(str(out)):  # the next run's start
-        pass
-    assert not list(out.glob("checkpoints/*.part")) and not list(out.glob(".run-*"))
+    with Output(str(out)) as output:  # the next run's start
+        output.new_run()
+    assert len(list(out.glob(".run-*"))) == 1  # only the new one
+    assert not list(out.glob("checkpoints/*.part"))
 
 
 # -- --out -------------------------------------------------------------------------------------------------------
@@ -276,9 +278,11 @@ def test_a_run_that_fails_at_its_last_write_replaces_nothing(tmp_path, monkeypat
 
 
 def test_out_files_change_together_and_leftovers_are_cleared(tmp_path):
-    (tmp_path / "model.pt").write_bytes(b"an older version's plain file")
-    (tmp_path / ".run-20200101T000000-1-1").mkdir()  # a killed run's folder
-    (tmp_path / "summary.json.123.part").write_text("{")  # a killed run's half file
+    lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
+    killed = tmp_path / ".run-20200101T000000-1-1"  # a killed run's folder, and its half-made link
+    killed.mkdir()
+    (killed / ".multicard").write_text("")
+    os.symlink(".current/summary.json", tmp_path / "summary.json.123.part")
     lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".run-")) == \
         [".current", "curves.png", "metrics.jsonl", "model.pt", "summary.json"]
@@ -374,7 +378,8 @@ def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
     from multicard.resume import inherit
 
     path = tmp_path / "state.pt"
-    torch.save({"config": {"batch_size": 256, "lr": 0.008}, "loader": {}, "steps": 3}, path)
+    torch.save({"config": {"batch_size": 256, "lr": 0.008, "epochs": 2}, "loader": {"epoch": 0, "samples": 768},
+                "steps": 3, "history": []}, path)
     assert (inherit(path, TrainConfig()).batch_size, inherit(path, TrainConfig()).lr) == (256, 0.008)
     # on 3 processes the default would settle on 255, and the data order could not continue: the saved 256 is kept
     # (and refused there in one line, as a given --batch-size 256 would be)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -15,6 +16,7 @@ from torch import nn
 
 from .errors import UsageError
 
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a filesystem out of space, inodes or quota: a line, not a traceback
 PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch.compile put before every key
 
 
@@ -46,8 +48,11 @@ def write_atomic(obj: Any, path: str | Path) -> Path:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in FULL:
+            raise UsageError(f"cannot write {path} ({e.strerror}): free space on that filesystem, or choose "
+                             f"another --out") from None
         raise
     return path
 

@@ -1,120 +1,21 @@
-"""What rank 0 of a training run writes into --out and prints: a line per epoch, then the model, the metrics, the
-curves and the summary; and --out itself, which one run at a time holds and whose files change together or not at
-all."""
+"""What rank 0 of a training run writes into its run folder and prints: a line per epoch, then the model, the
+metrics, the curves and the summary (outdir.Output shows them in --out)."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
-import shutil
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from . import checkpoint
 from .config import TrainConfig
-from .errors import UsageError
 from .observe import crowded, curves, straggles
 
 
 def say(line: str) -> None:
     tqdm.write(f"multicard: {line}")
-
-
-FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run
-OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
-CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
-
-
-class Output:
-    """--out as one run holds it. A lock: a second run into the same folder is refused at once (released by the
-    system however this process ends). Each run writes into a fresh folder of its own, .run-<time>-<pid>; when
-    it has ended well, one name (.current) is switched to that folder, and model.pt, metrics.jsonl,
-    summary.json, curves.png (and tensorboard/) are links through it: they change together, and a run that fails
-    or is stopped changes nothing. Leftovers of a killed run (its folder, half-written checkpoints) go at the next
-    run's start."""
-
-    def __init__(self, out: str):
-        if not out:
-            raise UsageError("--out '': name a folder (it is created if missing)")
-        self.path = path = Path(out)
-        if path.exists() and not path.is_dir():
-            raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"--out {out}: this user cannot write into that folder")
-        self.fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self.fd)
-            raise UsageError(f"--out {out}: another run is writing there; wait for it to end, or choose another "
-                             f"--out") from None
-        self.clean()
-
-    def runs(self) -> list[Path]:
-        return [p for p in self.path.glob(".run-*") if p.is_dir()]
-
-    def clean(self) -> None:
-        """Remove what killed runs left: run folders never switched to, half-written files and checkpoints."""
-        current = (self.path / CURRENT).resolve()
-        for leftover in [*self.runs(), *self.path.glob("*.part"), *self.path.glob("checkpoints/*.part")]:
-            if leftover.resolve() != current:
-                remove(leftover)
-
-    def new_run(self) -> Path:
-        run = self.path / f".run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-        run.mkdir()
-        return run
-
-    def discard(self, run: Path) -> None:
-        remove(run)
-
-    def publish(self, run: Path) -> None:
-        """Make `run` the one --out shows: switch .current to it (one rename), then drop the older runs."""
-        link(self.path / CURRENT, run.name)
-        for name in FILES:  # the same links every time (made once, or over an older version's plain files)
-            link(self.path / name, f"{CURRENT}/{name}")
-        for name in OPTIONAL:  # a link into a run without it would dangle
-            if (run / name).exists():
-                link(self.path / name, f"{CURRENT}/{name}")
-            else:
-                remove(self.path / name)
-        for old in self.runs():
-            if old.name != run.name:
-                remove(old)
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # the lock goes with it
-            self.fd = None
-
-    def __enter__(self) -> Output:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def link(path: Path, target: str) -> None:
-    """Point `path` at `target` in one step: a new link beside it, renamed over it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-    tmp.unlink(missing_ok=True)
-    os.symlink(target, tmp)
-    os.replace(tmp, path)
-
-
-def remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def strict(obj):

@@ -2,16 +2,26 @@
 --resume names.
 
 Each checkpoint is a folder, step-<optimizer steps>, holding state.pt (rank 0: model, optimizer, scheduler,
-scaler, the place in the data, the epochs so far, rank 0's random streams) and state.rank<r>.pt (rank r's random
-streams). It is written as step-N.part and renamed only once every rank has written its part: a kill at any
-instant leaves the checkpoints before it whole, and only whole ones are ever resumed from.
+scaler, the place in the data, the epochs so far, rank 0's random streams, the run's id) and state.rank<r>.pt
+(rank r's random streams). It is written as step-N.part and renamed only once every rank has written its part: a
+kill at any instant leaves the checkpoints before it whole, and only whole ones are ever resumed from.
+
+Checkpoints belong to a run. checkpoints/run.json names the run that owns the folder (the last one started
+there) and the checkpoint it started from; each checkpoint carries its run's id (a .multicard file, and "run" in
+state.pt). A run that goes on from the owner's newest checkpoint (--resume auto, a restart) is the same run; any
+other start is a new run, which first moves the earlier runs' checkpoints into checkpoints/run-<their id>/ (none
+deleted; --resume takes that folder) and so never prunes, resumes or restarts from them.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
+import secrets
 import shutil
+import time
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -20,53 +30,145 @@ import torch
 from .config import TrainConfig
 from .errors import UsageError
 from .front import Multicard
+from .outdir import MARK
+from .report import say
 
 FOLDER = "checkpoints"
+OWNER = "run.json"
 NAME = re.compile(r"step-(\d+)")
 
 
-def whole(out: str | Path) -> list[Path]:
-    """The complete checkpoints in --out, oldest first."""
-    found = [(int(m.group(1)), p) for p in (Path(out) / FOLDER).glob("step-*")
-             if (m := NAME.fullmatch(p.name)) and (p / "state.pt").is_file()]
-    return [p for _, p in sorted(found)]
+def whole(out: str | Path, run: str | None = None) -> list[Path]:
+    """The complete checkpoints in --out (or in a folder of checkpoints), oldest first; with `run`, that run's."""
+    where = Path(out) / FOLDER if (Path(out) / FOLDER).is_dir() else Path(out)
+    found = [(int(m.group(1)), p) for p in where.glob("step-*")
+             if (m := NAME.fullmatch(p.name)) and (p / "state.pt").is_file() and not p.is_symlink()]
+    return [p for _, p in sorted(found) if run is None or run_of(p) == run]
+
+
+def run_of(checkpoint: Path) -> str | None:
+    """The id of the run that wrote a checkpoint folder (None: one written before runs had ids)."""
+    try:
+        return (checkpoint / MARK).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def owner(out: str | Path) -> dict | None:
+    """checkpoints/run.json: {"run": the id of the run these checkpoints belong to, "from": the checkpoint it
+    started from or None}; None where no run has claimed the folder (a new --out, or an older version's)."""
+    try:
+        found = json.loads((Path(out) / FOLDER / OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("run"), str) else None
+
+
+def newest(out: str | Path) -> Path | None:
+    """What --resume auto goes on from: the newest checkpoint of the run that owns --out/checkpoints, or, where
+    it wrote none yet, the checkpoint that run started from (None: it started from the beginning). In a folder
+    no run owns (an older version's), its newest checkpoint."""
+    own = owner(out)
+    if own is None:
+        found = whole(out)
+        return found[-1] / "state.pt" if found else None
+    found = whole(out, own["run"])
+    if found:
+        return found[-1] / "state.pt"
+    started = Path(own["from"]) if isinstance(own.get("from"), str) else None
+    return started if started is not None and started.is_file() else None
+
+
+def claim(out: str | Path, resumed: Path | None) -> str:
+    """Rank 0, before a run's processes start: the id of this run. Going on from what --resume auto would (the
+    owner's newest) keeps the owner's; any other start is a new run: the earlier runs' checkpoints are moved
+    into checkpoints/run-<id>/ (the one resumed from stays where it is read) and the folder is claimed."""
+    own = owner(out)
+    if own is not None and resumed is not None and same(resumed, newest(out)):
+        return own["run"]
+    run = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+    folder = Path(out) / FOLDER
+    if resumed is None and not folder.exists():  # nothing to claim yet: the first checkpoint's write claims it
+        return run
+    moved: dict[Path, list[str]] = {}
+    for old in whole(out):
+        if resumed is None or not same(old, resumed.parent):
+            moved.setdefault(aside(old, run), []).append(old.name)
+    for place, names in moved.items():
+        say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {place}: nothing deleted; "
+            f"--resume {place} goes on from that run")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{OWNER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"run": run, "from": os.path.abspath(resumed) if resumed is not None else None}) + "\n")
+    os.replace(tmp, folder / OWNER)
+    return run
+
+
+def aside(checkpoint: Path, run: str) -> Path:
+    """Move an earlier run's checkpoint into checkpoints/run-<its id>/ (never over another); returns that folder.
+    One written before runs had ids goes into run-unnamed-<this run's id>/."""
+    place = checkpoint.parent / f"run-{run_of(checkpoint) or 'unnamed-' + run}"
+    place.mkdir(exist_ok=True)
+    target, n = place / checkpoint.name, 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = place / f"{checkpoint.name}~{n}"
+    os.replace(checkpoint, target)
+    return place
+
+
+def same(a: Path | None, b: Path | None) -> bool:
+    return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) -> None:
-    """Every rank: its part of checkpoint step-<steps>; then rank 0 makes it whole and drops the oldest beyond
-    `keep` (0: none dropped)."""
+    """Every rank: its part of checkpoint step-<steps>; then rank 0 makes it whole and drops this run's oldest
+    beyond `keep` (0: none dropped)."""
     final = Path(out) / FOLDER / f"step-{steps:08d}"
     part = final.with_name(final.name + ".part")
+    run = None
+    if mc.is_main:
+        part.mkdir(parents=True, exist_ok=True)
+        run = (owner(out) or {}).get("run") or claim(out, None)
+        (part / MARK).write_text(run + "\n")  # first: a kill from here on leaves a folder provably ours
+        state = {**state, "run": run}
     mc.save(part / "state.pt", state)
     mc.barrier()  # every rank's part is on disk
     if mc.is_main:
-        if final.exists():  # written by an earlier attempt that went past this step: replaced whole
+        if final.exists() and run_of(final) == run:  # an earlier attempt of this run went past this step
             drop(final)
+        elif final.exists():  # another run's (the one this run resumed from): kept, out of the way
+            aside(final, run)
         os.replace(part, final)
-        for old in whole(out)[:-keep] if keep else []:
+        for old in whole(out, run)[:-keep] if keep else []:
             drop(old)
 
 
 def drop(checkpoint: Path) -> None:
     """Out of the list of whole checkpoints at once (one rename), then deleted: a kill half-way through the
-    deletion leaves no checkpoint that looks whole and is not."""
+    deletion leaves no checkpoint that looks whole and is not. Never through a link."""
+    if checkpoint.is_symlink() or checkpoint.parent.is_symlink():
+        raise UsageError(f"{checkpoint}: reached through a link; multicard deletes only in folders of its own")
     gone = checkpoint.with_name(f"{checkpoint.name}.dropped.part")
     os.replace(checkpoint, gone)
     shutil.rmtree(gone, ignore_errors=True)
 
 
 def resolve(spec: str, out: str | Path) -> Path | None:
-    """--resume: "" (none), auto (the newest whole checkpoint in --out, or none), or a checkpoint's folder or
-    state.pt file, or a folder of checkpoints (its newest)."""
+    """--resume: "" (none), auto (what newest() says of --out, or none), or a checkpoint's folder or state.pt
+    file, or an --out, its checkpoints folder or a run-<id> folder in it (its newest, as auto)."""
     if not spec:
         return None
     if spec == "auto":
-        found = whole(out)
-        return found[-1] / "state.pt" if found else None
+        return newest(out)
     path = Path(spec)
     if path.is_dir():
-        found = whole(path.parent if path.name == FOLDER else path)
-        path = path / "state.pt" if (path / "state.pt").is_file() else found[-1] / "state.pt" if found else path
+        if (path / "state.pt").is_file():
+            path = path / "state.pt"
+        else:
+            base = path.parent if path.name == FOLDER else path
+            path = (newest(base) if (base / FOLDER / OWNER).is_file() else None) or \
+                next((p / "state.pt" for p in whole(base)[-1:]), path)
     if not path.is_file():
         raise UsageError(f"--resume {spec}: no checkpoint there (a step-N folder of --out/{FOLDER}, its state.pt, "
                          f"or auto)")
@@ -74,14 +176,43 @@ def resolve(spec: str, out: str | Path) -> Path | None:
 
 
 def head(path: Path) -> dict:
-    """A checkpoint of multicard train, read lazily (its tensors stay on disk); one that is not is one line."""
+    """A checkpoint of multicard train, read lazily (its tensors stay on disk) and its place checked; one that
+    is not, or whose place was edited into nonsense, is one line."""
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})") from None
     if not isinstance(raw, dict) or not {"loader", "steps", "config"} <= raw.keys():
         raise UsageError(f"--resume {path}: not a checkpoint of multicard train (it has no place in the data)")
+    if wrong := unsound(raw):
+        raise UsageError(f"--resume {path}: {wrong}: not as multicard train writes it (edited or damaged); resume "
+                         f"from another checkpoint")
     return raw
+
+
+def count(value, low: int = 0, high: float = math.inf) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def unsound(raw: dict) -> str | None:
+    """What in a checkpoint's head cannot be (None: all can): types, and the place in the data against the
+    steps taken and the epochs run."""
+    config, place, history, steps = raw["config"], raw["loader"], raw.get("history"), raw["steps"]
+    if not isinstance(config, dict) or not count(config.get("batch_size"), 1) or not count(config.get("epochs"), 1):
+        return "its config's batch_size or epochs is not a positive whole number"
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        return "its history is not a list of epoch records"
+    if not count(steps):
+        return f"its steps ({steps!r}) is not a whole number"
+    if not isinstance(place, dict) or not count(place.get("epoch"), 0, config["epochs"]) or \
+            len(history) > place["epoch"] + 1:
+        return f"its epoch ({place.get('epoch') if isinstance(place, dict) else place!r}) does not fit its " \
+               f"{len(history)} epoch record(s) of {config['epochs']}"
+    if not count(place.get("samples"), 0, steps * config["batch_size"]):
+        return f"its samples ({place.get('samples')!r}) is more than its {steps} steps could have served"
+    if not isinstance(raw.get("run", ""), str):
+        return "its run id is not text"
+    return None
 
 
 # A resumed run is the run it continues: it takes that run's recipe unless a flag says otherwise. These cannot

@@ -28,9 +28,10 @@ from .launcher import RankFailed, said
 from .loop import accuracy, fit
 from .memory import MB
 from .observe import TensorBoardLogger, straggler
+from .outdir import FILES, OPTIONAL, Output
 from .recipe import make_optimizer, make_scheduler
-from .report import FILES, OPTIONAL, Output, Report, say
-from .resume import describe, inherit, resolve
+from .report import Report, say
+from .resume import claim, describe, inherit, resolve
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -98,6 +99,8 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
         elif resume == "auto" and talk:
             say(f"no checkpoint in {Path(config.out) / 'checkpoints'}: starting from the beginning")
         run = output.new_run() if output is not None else None
+        if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
+            claim(config.out, path)
         try:
             summary = mc.launch(worker, *args, config, recipe, run, path, restarts)
         except RankFailed as e:

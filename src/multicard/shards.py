@@ -5,10 +5,18 @@ any number of processes (it reshards), which a file written by rank 0 alone coul
 Each save writes a folder of its own (ckpt.shards-<n>); the checkpoint file names it, and is replaced only after
 the folder is whole, so a kill at any instant leaves the previous checkpoint and its folder as they were. Older
 folders go once the new file is in place.
+
+Reading them back unpickles nothing outside an allow-list: DCP reads its `.metadata` with plain pickle and the
+non-tensor values (the optimizers' settings) with torch.load(weights_only=False), so a planted file would run
+code on every rank. Here the metadata goes through an unpickler that knows only DCP's own metadata classes, torch
+sizes, dtypes and layouts; the values through torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import importlib
+import io
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,8 +81,10 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
                          f"{', '.join(map(repr, info['models'] + info['optimizers']))})")
     models = {k: unwrap(m) for k, m in models.items()}
     target = sharded_state(models, optimizers)
+    where = path.parent / info["folder"]
+    metadata(where)  # refused here, on every rank, before DCP reads anything
     try:
-        dcp.load(target, checkpoint_id=path.parent / info["folder"])
+        dcp.load(target, storage_reader=reader(where), planner=planner())
     except Exception as e:  # a missing or damaged folder, or shards of another model
         raise UsageError(f"checkpoint {path}: its shards in {info['folder']} cannot be read into this model "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
@@ -82,3 +92,76 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
         set_model_state_dict(module, target[k])
     for k, optimizer in optimizers.items():
         set_optimizer_state_dict(next(iter(models.values())), optimizer, target[k])
+
+
+# the globals a .metadata that DCP wrote names (torch 2.4-2.13): its dataclasses, torch.Size, a dtype, a layout by
+# name, the memory-format enum, and the path it was saved under
+ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+}
+
+
+class Restricted(pickle.Unpickler):
+    """Unpickles only ALLOWED and torch's dtypes; any other global is refused before it is imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not dtype and name not in ALLOWED.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not among the types a shards folder may hold")
+        return getattr(importlib.import_module(module), name)
+
+
+def metadata(where: Path, name: str = ".metadata"):
+    """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        found = Restricted(io.BytesIO((where / name).read_bytes())).load()
+    except OSError as e:
+        raise UsageError(f"shards folder {where}: no readable .metadata ({e.strerror or type(e).__name__})") from None
+    except Exception as e:  # pickle raises many kinds for a damaged or foreign file
+        raise UsageError(f"shards folder {where}: its .metadata is refused ({str(e)[:200] or type(e).__name__}); "
+                         f"multicard loads only what torch.distributed.checkpoint itself writes") from None
+    if not isinstance(found, Metadata):
+        raise UsageError(f"shards folder {where}: its .metadata holds a {type(found).__name__}, not DCP's metadata")
+    return found
+
+
+def reader(where: Path):
+    """DCP's file reader, reading its metadata through `metadata` (so what DCP uses is what was checked)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name)
+            if getattr(found, "storage_meta", None) is None:
+                found.storage_meta = StorageMeta()
+            found.storage_meta.load_id = self.load_id
+            return found
+
+    return Reader(where)
+
+
+def planner():
+    """DCP's default load planner, reading non-tensor values with weights_only=True."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                checked = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise UsageError(f"a shards folder holds a value multicard does not load ({str(e)[:200]})") from None
+            safe = io.BytesIO()  # what the default planner reads back (with weights_only=False): checked values only
+            torch.save(checked, safe)
+            safe.seek(0)
+            super().load_bytes(read_item, safe)
+
+    return Planner()

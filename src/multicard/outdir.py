@@ -1,0 +1,186 @@
+"""--out as one run holds it: a lock, a fresh folder per attempt, one rename that shows a run's files all at once,
+and deleting only what multicard can prove it made there."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from .errors import UsageError
+from .report import say
+
+FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run
+OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
+CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
+MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
+LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.\d+\.part")
+
+
+class Output:
+    """--out as one run holds it. A lock: a second run into the same folder is refused at once (released by the
+    system however this process ends). Each run writes into a fresh folder of its own, .run-<time>-<pid>; when
+    it has ended well, one name (.current) is switched to that folder, and model.pt, metrics.jsonl,
+    summary.json, curves.png (and tensorboard/) are links through it, made before the switch: they change
+    together, and a run that fails or is stopped changes nothing. Leftovers of a killed run (its folder,
+    half-made links, half-written checkpoints) go when the next run starts its first attempt, and only those
+    that carry multicard's marker; a name there that multicard did not make refuses the run before anything in
+    --out is touched."""
+
+    def __init__(self, out: str):
+        if not out:
+            raise UsageError("--out '': name a folder (it is created if missing)")
+        self.path = path = Path(out)
+        self.cleaned = False
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
+        if path.resolve().parts[:2] in (("/", "proc"), ("/", "sys"), ("/", "dev")):
+            raise UsageError(f"--out {out}: is inside {path.resolve().parts[1]}/, no place for files; name a folder")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out}: this user cannot write into that folder")
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise UsageError(f"--out {out}: another run is writing there; wait for it to end, or choose another "
+                             f"--out") from None
+        try:
+            self.check()
+        except BaseException:
+            self.close()
+            raise
+
+    def check(self) -> None:
+        """Refuse an --out where multicard would replace or write through what it did not make: a shown name
+        that is not its link into .current, a .current that is not its link to a run, a checkpoints link."""
+        for name in (*FILES, *OPTIONAL):
+            place = self.path / name
+            if (place.exists() or place.is_symlink()) and not ours(place, f"{CURRENT}/{name}"):
+                raise UsageError(f"--out {self.path}: {name} there is not multicard's (not its link into {CURRENT}); "
+                                 f"move it elsewhere or choose another --out (nothing was changed)")
+        current = self.path / CURRENT
+        if (current.exists() or current.is_symlink()) and not ours(current):
+            raise UsageError(f"--out {self.path}: {CURRENT} there is not multicard's link to a run folder; move it "
+                             f"elsewhere or choose another --out (nothing was changed)")
+        checkpoints = self.path / "checkpoints"
+        if checkpoints.is_symlink() or (checkpoints.exists() and not checkpoints.is_dir()):
+            raise UsageError(f"--out {self.path}: checkpoints there is a link or a file; multicard writes its "
+                             f"checkpoints only into a folder of its own: move it elsewhere (nothing was changed)")
+
+    def runs(self) -> list[Path]:
+        """Run folders multicard made here (its marker inside; never through a link)."""
+        return [p for p in self.path.glob(".run-*") if p.is_dir() and not p.is_symlink() and (p / MARK).is_file()]
+
+    def clean(self) -> None:
+        """Remove what killed runs left, and only that: run folders never switched to (marked), half-made links
+        (named and aimed as multicard makes them), half-written checkpoints (marked). Anything else named like
+        them is left, with a line."""
+        current = os.readlink(self.path / CURRENT) if (self.path / CURRENT).is_symlink() else None
+        for run in self.runs():
+            if run.name != current:
+                remove(run)
+        for part in self.path.glob("*.part"):
+            named = LINK_PART.fullmatch(part.name)
+            if named and (ours(part) or ours(part, f"{CURRENT}/{named.group(1)}")):
+                part.unlink()
+            else:
+                say(f"left alone: {part} (not a leftover multicard can prove it made)")
+        checkpoints = self.path / "checkpoints"
+        for part in checkpoints.glob("*.part") if checkpoints.is_dir() and not checkpoints.is_symlink() else ():
+            if part.is_dir() and not part.is_symlink() and (part / MARK).is_file():
+                remove(part)
+            elif not (part.is_dir() and not part.is_symlink() and not any(part.iterdir()) and rmdir(part)):
+                say(f"left alone: {part} (not a leftover multicard can prove it made)")
+        self.cleaned = True
+
+    def new_run(self) -> Path:
+        """A fresh folder for an attempt's files; the first one clears the killed runs' leftovers first."""
+        if not self.cleaned:
+            self.clean()
+        run = self.path / f".run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        try:
+            run.mkdir()
+            (run / MARK).write_text("a run folder of multicard: removed once another run is shown\n")
+        except OSError as e:
+            raise UsageError(f"--out {self.path}: cannot write there ({e.strerror}); free space or choose another "
+                             f"--out") from None
+        return run
+
+    def discard(self, run: Path) -> None:
+        remove(run)
+
+    def publish(self, run: Path) -> None:
+        """Make `run` the one --out shows. Every check and every link first (a link into .current, for a first
+        run dangling until the switch); then one rename switches .current to `run`, and only then what the
+        older run had and this one lacks (a tensorboard link, now dangling) and the older runs go."""
+        missing = [name for name in FILES if not (run / name).is_file()]
+        if missing:
+            raise UsageError(f"run folder {run}: has no {missing[0]}; --out {self.path} left as it was")
+        self.check()
+        shown = [*FILES, *(name for name in OPTIONAL if (run / name).is_dir())]
+        try:
+            for name in shown:
+                if not (self.path / name).is_symlink():
+                    link(self.path / name, f"{CURRENT}/{name}")
+            link(self.path / CURRENT, run.name)  # the switch
+        except OSError as e:
+            raise UsageError(f"--out {self.path}: cannot write there ({e.strerror}); it still shows the run before "
+                             f"(free space, then run again)") from None
+        for name in OPTIONAL:
+            if name not in shown and (self.path / name).is_symlink():  # checked above: our link, now dangling
+                (self.path / name).unlink()
+        for old in self.runs():
+            if old.name != run.name:
+                remove(old)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with it
+            self.fd = None
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ours(path: Path, target: str | None = None) -> bool:
+    """Whether `path` is a link multicard makes: to `target`, or (no target) to a run folder beside it."""
+    if not path.is_symlink():
+        return False
+    aim = os.readlink(path)
+    return aim == target if target is not None else "/" not in aim and aim.startswith(".run-")
+
+
+def link(path: Path, target: str) -> None:
+    """Point `path` at `target` in one step: a new link beside it, renamed over it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    if tmp.is_symlink():  # ours: this process's own name (a file of that name is another's and stays)
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, path)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a link (never what it points at) or a folder multicard made (never through a link)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except OSError:
+        return False
+    return True
