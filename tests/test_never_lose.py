@@ -164,7 +164,7 @@ def test_a_run_that_fails_its_checks_changes_nothing(earlier, tmp_path):
     (out / "checkpoints" / "step-1.part" / "keep.txt").write_text("mine")
     before = tree(out)
     with pytest.raises(UsageError, match="resume with --batch-size 24"):  # refused after --out is held
-        run(out, resume="auto", batch_size=48)
+        run(out, resume="auto", batch_size=48, epochs=3)
     assert tree(out) == before
 
 
