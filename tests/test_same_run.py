@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import multicard
-from conftest import sharded, tiny_images
+from conftest import cuda, sharded, tiny_images
 from multicard.data.images import ImageData
 from multicard.launcher import RankFailed
 from multicard.models import LeNet5
@@ -63,6 +63,20 @@ def test_augmentation_is_keyed_by_seed_epoch_and_sample():
     assert not torch.allclose(data[[6]][0], whole[[6]], atol=1e-3)  # another epoch, another transform
     data.set_epoch(3, seed=6)
     assert not torch.allclose(data[[6]][0], whole[[6]], atol=1e-3)  # another seed too
+
+
+@cuda
+def test_on_a_card_the_draws_are_made_there_without_a_host_sync():
+    data = augmented(8, 0)
+    data.set_epoch(2, seed=1)
+    on_card = data.to(torch.device("cuda"))  # a copy on the card follows the original's key
+    index = torch.tensor([5, 1, 6], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        images, _ = on_card[index]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.allclose(images.cpu(), data[[5, 1, 6]][0], atol=1e-5)
 
 
 def test_loader_workers_draw_the_epoch_set_before_the_pass():
