@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 MASK = 0xFFFFFFFF  # the hash works on 32-bit values held in int64
-GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spaces the streams of one sample apart before hashing
+GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: any constant with half its bits set
 DRAWS = 4  # uniforms per image: angle, zoom, shift x, shift y
 
 
@@ -86,9 +86,10 @@ def times(x, c: int):
 
 def uniforms(seed: int, epoch: int, index: torch.Tensor, draws: int = DRAWS) -> torch.Tensor:
     """(len(index), draws) float32 uniforms in [0, 1): a function of (seed, epoch, sample index) alone."""
-    key = mix(mix(seed & MASK) ^ (epoch & MASK))
-    stream = torch.arange(1, draws + 1, device=index.device, dtype=torch.int64) * GOLDEN  # from 1: 0 hashes to 0
-    h = mix((mix(index.long() ^ key).unsqueeze(1) + stream) & MASK)
+    key = mix(mix((seed & MASK) ^ GOLDEN) ^ (epoch & MASK))  # (GOLDEN: seed 0 does not hash to 0)
+    # one counter per (sample, draw), distinct for every sample below 2^30, then one hash of it (few ops: fast)
+    counter = index.long().unsqueeze(1) * draws + torch.arange(draws, device=index.device, dtype=torch.int64)
+    h = mix((counter & MASK) ^ key)
     return (h >> 8).float() * 2.0 ** -24  # the top 24 bits: every value exact in float32, never 1
 
 
