@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -94,6 +95,32 @@ def test_parity_on_three_processes():
                          synthetic_samples=480)
     (result,) = check(config, steps=10)
     assert result.processes == 3 and result.ok, result.lines()
+
+
+class SmallWideMLP(WideMLP):
+    """wide-mlp sized for 2 CPU cores (width 256, 2 blocks: 0.33M parameters)."""
+
+    def __init__(self):
+        super().__init__(width=256, depth=2)
+
+
+class OtherDataOnRank1(SmallWideMLP):
+    """A planted fault: rank 1 trains on other data (its images mirrored)."""
+
+    def forward(self, x):
+        return super().forward(x.flip(-1) if os.environ.get("RANK") == "1" else x)
+
+
+@pytest.mark.parametrize("model, passes", [(SmallWideMLP, True), pytest.param(OtherDataOnRank1, False,
+                                                                             marks=pytest.mark.slow)],
+                         ids=["correct", "rank-1-on-other-data"])
+def test_the_check_passes_wide_mlp_under_fsdp_and_fails_a_rank_on_other_data(monkeypatch, model, passes):
+    monkeypatch.setitem(multicard.MODELS, "small-wide-mlp", model)
+    config = TrainConfig(model="small-wide-mlp", devices="cpu:2", strategy="fsdp", data="synthetic", batch_size=16)
+    (result,) = check(config, steps=3)
+    assert result.ok == passes, result.lines()
+    if not passes:  # the other data moves the first gradients far past what rounding could (0.17 against 1e-4)
+        assert result.grad_diff > 100 * result.grad_bound
 
 
 def test_the_default_rule_shards_repeated_blocks_innermost_first():

@@ -268,6 +268,7 @@ def test_the_check_fails_on_a_summed_gradient_and_names_it():
     (result,) = check(TrainConfig(**CHECK), steps=4, strategies=[SummingDDP(Devices("cpu", (0, 1)), Job())])
     assert not result.ok and result.grad_ratio == pytest.approx(2, rel=1e-3)
     assert result.weight_bound == result.tolerance  # LeNet-5 does not amplify rounding: no allowance
+    assert result.grad_bound == result.tolerance
     assert any("gradients differ from the first step" in line and "summed over the 2 processes" in line
                for line in result.lines())
 
@@ -279,6 +280,20 @@ def test_batchnorm_passes_the_check_with_sync_bn_and_fails_without():
     assert not without.ok and any("--sync-bn" in line for line in without.lines())
     (synced,) = check(replace(config, sync_bn=True, accumulate=2, clip_grad_norm=0.5), steps=3)  # with the knobs
     assert synced.ok, synced.lines()
+
+
+@pytest.mark.slow
+def test_resnet8_with_sync_bn_passes_the_check_and_a_summed_gradient_still_fails():
+    """`multicard check --model resnet8 --data synthetic --steps 3 --sync-bn`: a 1e-7 nudge of its weights moves
+    its first-step gradients by ~1e-4 (BatchNorm on random labels), so a correct run's gradients, 1.25e-4 apart,
+    failed an absolute 1e-4; they are held to 10x the nudge's effect now, as the weights are. A sum instead of
+    an average still fails: it moves the gradients by their own size (~0.1), far past that."""
+    devices = Devices("cpu", (0, 1))
+    right, summed = check(TrainConfig(model="resnet8", data="synthetic", sync_bn=True), steps=3,
+                          strategies=[DDP(devices, Job()), SummingDDP(devices, Job())])
+    assert right.ok and right.grad_bound > right.tolerance, right.lines()
+    assert any("first-step gradients" in line and "may differ by up to" in line for line in right.lines())
+    assert not summed.ok and summed.grad_diff > summed.grad_bound and summed.grad_ratio == pytest.approx(2, rel=1e-2)
 
 
 @pytest.mark.parametrize("tolerance", [float("nan"), -1.0, float("inf")])

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from . import resume as resume_module
 from .config import TrainConfig
+from .data.images import ImageData
 from .errors import UsageError
 from .front import Multicard
 from .memory import shard_bytes
@@ -108,6 +109,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             lrs, before, carried = carried["lrs"], carried["seconds"], None
 
         logged = (float(loss_sum), samples) if logging else None  # the sums at the last logged step
+        key_augmentation(train_loader, config.seed, epoch)
         start, waited = time.perf_counter(), 0.0  # waited: in backward and checkpoints, where ranks meet
         for inputs, targets in train_loader:
             ends = train_loader.step_ends
@@ -172,6 +174,15 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             save(None)  # (a checkpoint after the epoch's last step resumes to this same point)
     bar.close()
     return history
+
+
+def key_augmentation(loader, seed: int, epoch: int) -> None:
+    """Before a pass: an ImageData training set draws each sample's augmentation from (seed, epoch, sample index)
+    alone, so the weights do not depend on the processes, the micro-batches or a resume (its loader's workers
+    copy it when the pass starts, with this key)."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, ImageData):
+        dataset.set_epoch(epoch, seed)
 
 
 def epoch_scalars(record: dict) -> dict[str, float]:

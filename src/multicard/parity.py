@@ -3,12 +3,14 @@
 The same K optimizer steps of plain SGD (no momentum: a wrong gradient shows in the weights, where Adam would
 normalize a wrong scale away) run on one process and under each strategy this machine can run, with the same
 global batch, data order and initial weights, and the run's own knobs (--accumulate, --clip-grad-norm,
---sync-bn). The first step's gradients are compared against --tolerance: nothing has compounded yet, so they
-agree to float rounding. The final weights are compared against --tolerance too, or against the model's own
-sensitivity where that is larger: one process run again from weights nudged by 1e-7 (float rounding's size)
-shows how far rounding alone carries this model in K steps (a BatchNorm ResNet on random labels is chaotic:
-1e-7 becomes 1e-4 in 5 steps; LeNet-5 stays near 1e-7 for 20). A gradient that differs is named as the cause,
-with the ratio that tells a sum from an average.
+--sync-bn). The first step's gradients and the final weights are each compared against --tolerance, or against
+the model's own sensitivity where that is larger: one process run again from weights nudged by 1e-7 (float
+rounding's size) shows how far rounding alone carries this model, in its first gradients and in K steps' weights
+(a BatchNorm ResNet on random labels is chaotic: the nudge moves its first gradients by ~1e-4 and its weights
+by 1e-4 in 5 steps; LeNet-5's stay near 1e-7 for 20). Each may differ by up to SENSITIVITY times that. A real
+fault moves the gradients by their own size (a sum instead of an average: N times them; a rank with other
+data: as much as a batch changes them), far past it. A gradient that differs is named as the cause, with the
+ratio that tells a sum from an average.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .strategies.fsdp import full
 CHECK_BATCH = 64  # the global batch of the check where --batch-size is auto
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding
 NUDGE = 1e-7  # float32 rounding's size: the start of the reference run that measures the model's own sensitivity
-SENSITIVITY = 10  # weights may differ up to this many times what that nudge alone makes them differ
+SENSITIVITY = 10  # gradients and weights may differ up to this many times what that nudge alone makes them differ
 
 
 @dataclass
@@ -54,9 +56,14 @@ class Parity:
     weight_diff: float
     weight_worst: str
     sensitivity: float  # how far one process's weights move from a 1e-7 nudge of the start, in the same steps
+    grad_sensitivity: float  # how far that nudge moves the first step's gradients
     loss_one: float
     loss_many: float
     causes: list[str] = field(default_factory=list)
+
+    @property
+    def grad_bound(self) -> float:
+        return max(self.tolerance, SENSITIVITY * self.grad_sensitivity)
 
     @property
     def weight_bound(self) -> float:
@@ -64,7 +71,7 @@ class Parity:
 
     @property
     def ok(self) -> bool:
-        return self.grad_diff <= self.tolerance and self.weight_diff <= self.weight_bound
+        return self.grad_diff <= self.grad_bound and self.weight_diff <= self.weight_bound
 
     def lines(self) -> list[str]:
         out = [f"parity: {self.steps} SGD steps (lr {LR}, no momentum), one device vs {self.processes} "
@@ -72,6 +79,10 @@ class Parity:
                f"weights by {self.weight_diff:.2e} ({self.weight_worst}); tolerance {self.tolerance:.0e}: "
                f"{'PASS' if self.ok else 'FAIL'}",
                f"training loss: {self.loss_one:.6f} on one, {self.loss_many:.6f} under {self.strategy}"]
+        if self.grad_bound > self.tolerance:
+            out.append(f"this model's own sensitivity: weights nudged by {NUDGE:.0e} give first-step gradients "
+                       f"{self.grad_sensitivity:.2e} apart on one process, so the gradients may differ by up to "
+                       f"{self.grad_bound:.2e} ({SENSITIVITY}x that)")
         if self.weight_bound > self.tolerance:
             out.append(f"this model's own sensitivity: weights nudged by {NUDGE:.0e} at the start end "
                        f"{self.sensitivity:.2e} apart on one process after the same steps, so the weights may "
@@ -131,7 +142,7 @@ def norm(tensors: dict[str, torch.Tensor]) -> float:
 
 def likely_causes(result: Parity, model: nn.Module, config: TrainConfig) -> list[str]:
     causes = []
-    if result.grad_diff > result.tolerance:
+    if result.grad_diff > result.grad_bound:
         cause = (f"the gradients differ from the first step (norm ratio {result.grad_ratio:.3f} of one "
                  f"process's)")
         if result.processes > 1 and abs(result.grad_ratio - result.processes) < 0.05 * result.processes:
@@ -187,22 +198,22 @@ def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
         raise UsageError(f"--steps {steps} x --batch-size {config.batch_size} needs {size} samples; "
                          f"{config.data} has {len(train_set)}")
     subset = ImageData(train_set.tensors[0][:size], train_set.tensors[1][:size], train_set.mean, train_set.std)
-    results, sides, kinds = [], {}, set()
+    results, sides, kinds = [], [], set()  # sides: one per strategy given (two may share a name)
     for name in names:  # the many-device runs first: the single run may start CUDA in this process
         counted = select(devices) if isinstance(name, str) else name.devices
         kinds.add(counted.kind)
         mc = Multicard(name, devices if isinstance(name, str) else "auto", sync_batchnorm=config.sync_bn)
-        sides[mc.strategy] = counted.count, mc.launch(sgd_steps, copy.deepcopy(model), subset, config)
+        sides.append((mc.strategy, counted.count, mc.launch(sgd_steps, copy.deepcopy(model), subset, config)))
     one_device = "cpu" if kinds == {"cpu"} else "cuda:0"
     one = launch(sgd_steps, copy.deepcopy(model), subset, config, strategy="single", devices=one_device)
     nudged = launch(sgd_steps, nudge(model), subset, config, strategy="single", devices=one_device)
-    sensitivity = worst(one.weights, nudged.weights)[0]
-    for strategy, (processes, many) in sides.items():
+    sensitivity, grad_sensitivity = worst(one.weights, nudged.weights)[0], worst(one.grads, nudged.grads)[0]
+    for strategy, processes, many in sides:
         grad_diff, grad_worst = worst(one.grads, many.grads)
         weight_diff, weight_worst = worst(one.weights, many.weights)
         result = Parity(strategy, processes, steps, tolerance, grad_diff, grad_worst,
                         norm(many.grads) / max(norm(one.grads), 1e-30), weight_diff, weight_worst, sensitivity,
-                        one.loss, many.loss)
+                        grad_sensitivity, one.loss, many.loss)
         result.causes = likely_causes(result, model, config)
         results.append(result)
     return results
