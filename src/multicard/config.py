@@ -86,7 +86,7 @@ class TrainConfig:
     clip_grad_norm: float = opt(0.0, "clip the gradients' total norm to this (0: off)")
     # small random rotations, scalings and shifts: +1.5 points on 4,000 training images
     augment: bool = opt(True, "randomly rotate / scale / shift training images")
-    # one seed makes a run repeatable; each rank adds its rank for what should differ (augmentation)
+    # one seed makes a run repeatable; each rank adds its rank for what should differ (dropout)
     seed: int = opt(0, "random seed")
     # data is held in memory and indexed a batch at a time: loader processes rarely pay off
     workers: int = opt(0, "DataLoader worker processes per training process")

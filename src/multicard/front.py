@@ -361,8 +361,8 @@ class Multicard:
         process, and restore the random streams and the gradient scaler; plain values in `state` are
         replaced. Returns the file's entries that were not restored into an object (e.g. {"epoch": 3});
         without `state`, everything. Read with weights_only=True. On another number of processes the data
-        order goes on where it stopped (same global batch; fsdp's shards are resharded), and the random streams
-        start afresh."""
+        order goes on where it stopped (same global batch; fsdp's shards are resharded), and dropout's random
+        streams start afresh (the built-in datasets' augmentation is keyed by sample and goes on)."""
         self._start()
         return saving.load(self, path, state)
 

@@ -138,7 +138,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     from."""
     begin = time.perf_counter()
     given_optimizer, given_scheduler, every = recipe
-    torch.manual_seed(config.seed + mc.rank)  # per rank: augmentation and dropout differ
+    torch.manual_seed(config.seed + mc.rank)  # per rank: dropout differs
     cuda = mc.device.type == "cuda"
     torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
     name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own

@@ -98,8 +98,8 @@ def _restore(mc: Multicard, path: Path, own: dict[str, Any]) -> None:
     if own["world"] != mc.world_size:
         if mc.is_main:
             print(f"multicard: {path} was written by {own['world']} processes, this job has "
-                  f"{mc.world_size}: the data order goes on, random streams (augmentation, dropout) start "
-                  f"afresh", file=sys.stderr, flush=True)
+                  f"{mc.world_size}: the data order and each sample's augmentation go on; dropout's random "
+                  f"streams start afresh", file=sys.stderr, flush=True)
         return
     if mc.rank == 0:
         checkpoint.set_rng_state(own["rng"])
