@@ -244,7 +244,7 @@ def slot(tmp_path, monkeypatch):
 
 
 def test_progress_reaches_the_launcher(slot):
-    assert dist.read_slot(slot) == (0.0, 0.0, False)
+    assert dist.read_slot(slot) == (0.0, 0.0, 0.0)
     before = time.monotonic()
     dist.progress()
     last, _, timed_out = dist.read_slot(slot)
@@ -271,7 +271,7 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
             with open(launcher.slot_path(folder, rank), "r+b") as f:
-                f.write(dist.SLOT.pack(last, 5.0, 1.0 if timed_out else 0.0))
+                f.write(dist.SLOT.pack(dist.MARK, last, 5.0, 1.0 if timed_out else 0.0))
 
         now = time.monotonic()
         show(0, now - 6)

@@ -7,18 +7,29 @@ import mmap
 import os
 import re
 import socket
+import stat
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from . import lifeline
 from .errors import UsageError
 
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
-SLOT = struct.Struct("3d")  # that file: last progress (time.monotonic()), the timeout, 1.0 once a wait timed out
+LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # and here themselves: a process whose parent is not that one is no rank
+# that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
+# 1.0 once a wait timed out
+SLOT = struct.Struct("8s3d")
+MARK = b"mcslot1\n"
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
 # how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
 TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
+# how a wait reads that ended because another process went away (gloo, the store, NCCL): not the cause
+LOST = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|remote process exit")
+TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how a rank failed
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
 _slot: memoryview | list[float] | None = None
@@ -40,7 +51,11 @@ class Job:
 def job_from_env(env=os.environ) -> Job:
     """Read the job's shape from the environment: a process started by torchrun has RANK set (nanoGPT's
     test), one started by srun has SLURM_PROCID and a step id. No flag asks the user to say so. A value that
-    cannot be right is one line now, not a rendezvous that waits for nobody."""
+    cannot be right is one line now, not a rendezvous that waits for nobody. A process that a rank started (a
+    `multicard train` inside a script under `multicard run`) inherits the job's variables but is none of its ranks:
+    it runs on its own."""
+    if inherited(env):
+        return Job()
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _number(env, "RANK", 0), _number(env, "WORLD_SIZE", 1)
         local_rank, local_world = _number(env, "LOCAL_RANK", 0, rank), _number(env, "LOCAL_WORLD_SIZE", 1, world)
@@ -48,6 +63,7 @@ def job_from_env(env=os.environ) -> Job:
         if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
             _below(env, ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world))
         _port(env)
+        _number(env, "TORCHELASTIC_RESTART_COUNT", 0, 0)
         return Job(rank, world, local_rank, local_world, env.get("MULTICARD_LAUNCHER", "torchrun"))
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and _number(env, "SLURM_NTASKS", 1, 1) > 1:
         rank, world = _number(env, "SLURM_PROCID", 0), _number(env, "SLURM_NTASKS", 1)
@@ -57,6 +73,13 @@ def job_from_env(env=os.environ) -> Job:
         return Job(rank, world, _number(env, "SLURM_LOCALID", 0, 0), int(per_node.group()) if per_node else 1,
                    "slurm")
     return Job()
+
+
+def inherited(env=os.environ) -> bool:
+    """Whether the job in `env` was started by multicard but not for this process: its launcher is not our
+    parent (a rank's own child, or a shell under it, finds the variables too)."""
+    return env.get("MULTICARD_LAUNCHER") == "multicard" and env.get(LAUNCHER_PID, str(os.getppid())) != \
+        str(os.getppid())
 
 
 def _number(env, name: str, least: int, default: int | None = None) -> int:
@@ -100,11 +123,12 @@ def _origin(env) -> str:
             "outside srun to run alone")
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+def first_host(nodelist: str, name: str = "SLURM_JOB_NODELIST") -> str:
+    """The first host of a SLURM node list (`name` holds it): 'gpu[07-09,12],cpu1' -> 'gpu07'."""
     m = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", nodelist)
     if not m:
-        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+        raise UsageError(f"{name}={nodelist!r} in the environment: cannot read a host from it; set "
+                         f"MASTER_ADDR to the host of rank 0")
     return m.group(1) + (m.group(2) or "")
 
 
@@ -112,7 +136,8 @@ def rendezvous_env(env=os.environ) -> dict[str, str]:
     """MASTER_ADDR / MASTER_PORT for init_process_group, filled in from SLURM when srun did not set them."""
     out = {}
     if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-        out["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env["SLURM_JOB_NODELIST"]))
+        name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+        out["MASTER_ADDR"] = first_host(env[name], name)
     if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
         job_id = _number(env, "SLURM_JOB_ID", 0)
         out["MASTER_PORT"] = str(15000 + job_id % 20000)  # the same in every task of a job
@@ -128,11 +153,15 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
     """Join the job's process group. Collectives, and the rendezvous, wait at most `timeout_s` for the others."""
     import torch.distributed as dist
 
+    check_timeout(timeout_s)
     timeout = timedelta(seconds=timeout_s)
     if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
         dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
+    lifeline.tie_forks()
+    if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
+        lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
     slot = _progress_slot()
     slot[1] = timeout_s
     progress()
@@ -147,6 +176,13 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
     store = rendezvous(job, timeout_s)
     dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("default_pg", store), rank=job.rank,
                             world_size=job.world, timeout=timeout)
+
+
+def check_timeout(timeout_s: float) -> None:
+    """A timeout a job can keep: below MIN_TIMEOUT a healthy step is taken for a hang; past MAX_TIMEOUT the
+    system's clocks overflow."""
+    if not MIN_TIMEOUT <= timeout_s <= MAX_TIMEOUT:  # also refuses nan
+        raise UsageError(f"--timeout {timeout_s:g}: must be from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} seconds")
 
 
 def attempt() -> str:
@@ -172,7 +208,8 @@ def rendezvous(job: Job, timeout_s: float):
         holder = "the launcher's store" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
         _wait_for_listener(addr, port, deadline, f"{where}: rank {job.rank} of {job.world} found no {holder} "
                                                  f"there within {timeout_s:g} s ({origin})")
-        store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        store = _client(addr, port, deadline, f"{where}: rank {job.rank} of {job.world}: something listens there "
+                                              f"but does not answer as {holder}'s store ({origin})")
     else:
         try:
             store = TCPStore(addr, port, job.world, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -197,6 +234,30 @@ def rendezvous(job: Job, timeout_s: float):
     except DistError as e:  # the store went away: its holder ended (it gave up, or failed)
         raise UsageError(f"{where}: rank {job.rank} lost the store ({str(e).splitlines()[0]}); {origin}") from None
     return store
+
+
+def _client(addr: str, port: int, deadline: float, failure: str):
+    """A client of the store at addr:port, made within the deadline. torch's client waits for the store's answer
+    without a limit: something else listening there (a stale process, a web server) would hold it forever, so it
+    is made in a thread of its own that is left behind when the time is up."""
+    from torch.distributed import DistError, TCPStore
+
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(
+                1.0, deadline - time.monotonic()))))
+        except (DistError, RuntimeError, ValueError) as e:
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="multicard store client", daemon=True)
+    thread.start()
+    thread.join(max(1.0, deadline - time.monotonic()))
+    if not made or isinstance(made[0], Exception):
+        _slot_timed_out()
+        raise UsageError(failure) from None
+    return made[0]
 
 
 def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> None:
@@ -229,46 +290,74 @@ def progress() -> None:
 
 
 def failed(error: BaseException) -> None:
-    """A rank ends with `error`: when it is a wait that ran out of time, tell the launcher."""
+    """A rank ends with `error`: when it is a wait that ran out of time, or one that lost another process, tell
+    the launcher (which then looks for the cause elsewhere)."""
     if TIMED_OUT.search(str(error)):
         _slot_timed_out()
+    elif LOST.search(str(error)):
+        _progress_slot()[2] = LOST_PEER
+
+
+def lost_peer(error: BaseException) -> bool:
+    return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
 
 
 def _slot_timed_out() -> None:
-    _progress_slot()[2] = 1.0
+    _progress_slot()[2] = TIMED_OUT_STATE
 
 
 def _progress_slot() -> memoryview | list[float]:
     """This rank's slot in the file our launcher made (MULTICARD_PROGRESS), mapped into memory; a plain list
-    (read by nobody) in any other process."""
+    (read by nobody) in any other process, and where the variable names a file that is not such a slot: the
+    variable alone never makes this process write into a file."""
     global _slot
     if _slot is None:
         slot: memoryview | list[float] = [0.0, 0.0, 0.0]
         path = os.environ.get(PROGRESS)
-        if path:
-            try:
-                with open(path, "r+b") as f:
-                    slot = memoryview(mmap.mmap(f.fileno(), SLOT.size)).cast("d")
-            except (OSError, ValueError):  # no such file, or too short: nobody to tell
-                pass
+        if path and not inherited():
+            mapped = _map_slot(path)
+            if mapped is None:
+                print(f"multicard: {PROGRESS}={path} is not a progress file a multicard launcher made; ignored",
+                      file=sys.stderr)
+            slot = slot if mapped is None else mapped
         _slot = slot
     return _slot
 
 
+def _map_slot(path: str) -> memoryview | None:
+    """The slot's numbers in `path`, mapped: only a plain file of this user's, of the slot's size, that starts
+    with the mark (no link followed); None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != SLOT.size or info.st_uid != os.getuid() or \
+                os.pread(fd, len(MARK), 0) != MARK:
+            return None
+        return memoryview(mmap.mmap(fd, SLOT.size))[len(MARK):].cast("d")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def new_slot(path: str) -> None:
-    """For the launcher: the empty progress file of one rank (all zero: no progress yet)."""
-    with open(path, "wb") as f:
-        f.write(bytes(SLOT.size))
+    """For the launcher: the empty progress file of one rank (the mark, then zeros: no progress yet)."""
+    with open(path, "xb") as f:
+        f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0))
 
 
-def read_slot(path: str) -> tuple[float, float, bool]:
-    """For the launcher: (last progress, the rank's timeout, whether it timed out); (0, 0, False) if unreadable."""
+def read_slot(path: str) -> tuple[float, float, float]:
+    """For the launcher: (last progress, the rank's timeout, how it failed: 0, TIMED_OUT_STATE or LOST_PEER);
+    zeros if unreadable."""
     try:
         with open(path, "rb") as f:
-            last, timeout, timed_out = SLOT.unpack(f.read(SLOT.size))
+            _, last, timeout, state = SLOT.unpack(f.read(SLOT.size))
     except (OSError, struct.error):
-        return 0.0, 0.0, False
-    return last, timeout, timed_out > 0
+        return 0.0, 0.0, 0.0
+    return last, timeout, state
 
 
 def teardown() -> None:

@@ -28,13 +28,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import dist
+from . import dist, lifeline
 from .errors import UsageError
 
 if TYPE_CHECKING:
     from .strategies import Strategy
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
+KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
+PEER_S = 3  # a rank that failed because another was lost: how long the others get to say they failed first
 
 
 class RankFailed(Exception):
@@ -77,12 +79,14 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str]:
-    """What a process of a job started here finds in its environment: torchrun's variables, the store, and
-    (given the job's folder) the file where it shows its progress."""
+def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 0) -> dict[str, str]:
+    """What a process of a job started here finds in its environment: torchrun's variables, the store, the
+    launcher's pid (a process whose parent it is not is no rank: see dist.inherited) and (given the job's folder)
+    the file where it shows its progress."""
     env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
+    env[dist.LAUNCHER_PID] = str(launcher or os.getpid())
     if folder:
         env[dist.PROGRESS] = slot_path(folder, rank)
     return env
@@ -148,7 +152,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
                                               args=(rank, fn, args, nprocs, server.port, folder, os.getpid()))
                     process.start()
                     processes.append(process)
-            failed = _first_failure(processes)
+            failed = _first_failure(processes, folder)
             if failed is None:
                 with open(os.path.join(folder, "result"), "rb") as f:
                     return pickle.load(f)
@@ -159,18 +163,40 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _first_failure(processes: list) -> int | None:
-    """Wait until every process ended well (None), or one failed: its rank."""
+def _first_failure(processes: list, folder: str) -> int | None:
+    """Wait until every process ended well (None), or one failed: its rank (see first_to_fail)."""
     from multiprocessing.connection import wait
 
-    running = {p.sentinel: rank for rank, p in enumerate(processes)}
-    while running:
-        for sentinel in wait(list(running)):
-            rank = running.pop(sentinel)
+    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+
+    def ended(running: set[int], timeout: float | None) -> list[int]:
+        ready = [sentinels[s] for s in wait([processes[r].sentinel for r in running], timeout)]
+        for rank in ready:
             processes[rank].join()
-            if processes[rank].exitcode:
-                return rank
-    return None
+        return ready
+
+    return first_to_fail(len(processes), ended, lambda rank: processes[rank].exitcode, folder)
+
+
+def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[int]], code: Callable[[int], int],
+                  folder: str) -> int | None:
+    """The rank whose failure ended the job (None: all ended well). `ended(running, timeout)` waits for ranks to
+    end (the first to end first). A rank that failed because another was lost (its peer closed the connection)
+    is not the cause: the others get PEER_S to fail on their own, and the first of those is named."""
+    running, failed, deadline = set(range(nprocs)), None, None
+    while running:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done = ended(running, timeout)
+        for rank in done:
+            running.discard(rank)
+            if code(rank):
+                if dist.read_slot(slot_path(folder, rank))[2] != dist.LOST_PEER:
+                    return rank
+                if failed is None:
+                    failed, deadline = rank, time.monotonic() + PEER_S
+        if deadline is not None and not done and time.monotonic() >= deadline:
+            break
+    return failed
 
 
 def _failure(rank: int, processes: list, folder: str) -> Exception:
@@ -200,8 +226,8 @@ def _how(code: int) -> str:
 def blame(failed: int, others: dict[int, int], folder: str) -> tuple[int, str] | None:
     """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
     running), and why: one stopped by a signal (a frozen process), else the one whose progress is oldest."""
-    _, timeout, timed_out = dist.read_slot(slot_path(folder, failed))
-    if not timed_out or not others:
+    _, timeout, state = dist.read_slot(slot_path(folder, failed))
+    if state != dist.TIMED_OUT_STATE or not others:
         return None
     stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
     if stopped:
@@ -228,6 +254,8 @@ def _stop(processes: list, grace_s: float) -> None:
     """SIGTERM to every process still running (and SIGCONT: a stopped one must wake up to act on it), SIGKILL
     to any still there after grace_s. One that ends on SIGTERM cleans up after itself: nothing it made (its
     semaphores) is left for the resource tracker to warn about."""
+    import multiprocessing.process
+
     alive = [p for p in processes if p.is_alive()]
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
@@ -238,17 +266,21 @@ def _stop(processes: list, grace_s: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
-    for p in processes:
-        p.join()
+    deadline = time.monotonic() + KILLED_S
+    for rank, p in enumerate(processes):
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            _left_behind(rank, p.pid)
+            multiprocessing.process._children.discard(p)  # else Python's exit would wait for it without limit
 
 
 def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder: str, launcher: int) -> None:
     """The body of a spawned process: fn(*args), and what became of it left in the job's folder."""
-    _die_with(launcher)  # first of all: a launcher that is gone already, or goes later, takes this process along
+    lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _raise_stopped)
-    os.environ.update(job_env(rank, nprocs, port, folder))
+    os.environ.update(job_env(rank, nprocs, port, folder, launcher))
     try:
         out = fn(*args)
         if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
@@ -297,8 +329,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                     dist.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
                                                                 **job_env(rank, nprocs, server.port, folder)},
-                                                  preexec_fn=lambda: _die_with(parent)))
-            failed = first_failure(procs)
+                                                  preexec_fn=lambda: lifeline.die_with(parent)))
+            failed = first_failure(procs, folder)
             if failed is None:
                 return 0
             rank, code = failed
@@ -319,28 +351,33 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+def first_failure(procs: list[subprocess.Popen], folder: str) -> tuple[int, int] | None:
     """Wait until every process ended well (None), or one failed: (its rank, its exit code)."""
-    running = set(range(len(procs)))
-    while running:
-        _wait_for_any_child()
-        for rank in sorted(running):
-            code = procs[rank].poll()
-            if code is not None:
-                running.discard(rank)
-                if code != 0:
-                    return rank, code
-    return None
+    ranks = {p.pid: rank for rank, p in enumerate(procs)}
+
+    def ended(running: set[int], timeout: float | None) -> list[int]:
+        pid = None
+        if timeout is None:
+            pid = _wait_for_any_child()
+        else:
+            time.sleep(min(timeout, 0.05))
+        # the child the system reported first: with several ended, the order of the ranks is not theirs
+        order = sorted(running, key=lambda rank: (rank != ranks.get(pid), rank))
+        return [rank for rank in order if procs[rank].poll() is not None]
+
+    rank = first_to_fail(len(procs), ended, lambda rank: procs[rank].returncode, folder)
+    return None if rank is None else (rank, procs[rank].returncode)
 
 
-def _wait_for_any_child() -> None:
-    """Block until some child has ended (left for poll() to collect), so the first to fail is the one seen."""
+def _wait_for_any_child() -> int | None:
+    """Block until some child has ended (left for poll() to collect): its pid."""
     try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
     except (AttributeError, ChildProcessError):  # no waitid here, or no child left to wait for
         time.sleep(0.05)
-    else:
-        time.sleep(0.01)  # a child this loop does not own would be seen again at once: never spin
+        return None
+    time.sleep(0.01)  # a child this loop does not own would be seen again at once: never spin
+    return pid
 
 
 def terminate(procs: list[subprocess.Popen]) -> None:
@@ -357,20 +394,17 @@ def terminate(procs: list[subprocess.Popen]) -> None:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+    deadline = time.monotonic() + KILLED_S
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _left_behind(rank, p.pid)
 
 
-def _die_with(parent: int) -> None:
-    """In a child, before it does anything: the kernel kills it when its launcher dies, whatever the cause
-    (Linux), and one whose launcher died already ends now."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
+def _left_behind(rank: int, pid: int) -> None:
+    print(f"multicard: rank {rank} (pid {pid}) did not end on SIGKILL: it is frozen in the kernel (a cgroup "
+          f"freezer?) and ends once thawed; not waiting for it", file=sys.stderr)
 
 
 def relaunch(strategy: Strategy) -> None:
