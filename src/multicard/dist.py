@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 import re
 import socket
 import stat
@@ -33,6 +34,7 @@ TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
 _slot: memoryview | list[float] | None = None
+_hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ def job_from_env(env=os.environ) -> Job:
     it runs on its own."""
     if inherited(env):
         return Job()
+    if env is os.environ:
+        hook_failures()
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _number(env, "RANK", 0), _number(env, "WORLD_SIZE", 1)
         local_rank, local_world = _number(env, "LOCAL_RANK", 0, rank), _number(env, "LOCAL_WORLD_SIZE", 1, world)
@@ -165,14 +169,7 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
     slot = _progress_slot()
     slot[1] = timeout_s
     progress()
-    if os.environ.get(PROGRESS):  # a rank that dies of a timeout says so to our launcher, which names the cause
-        previous = sys.excepthook
-
-        def hook(kind, error, trace):
-            failed(error)
-            previous(kind, error, trace)
-
-        sys.excepthook = hook
+    hook_failures()
     store = rendezvous(job, timeout_s)
     dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("default_pg", store), rank=job.rank,
                             world_size=job.world, timeout=timeout)
@@ -300,6 +297,35 @@ def failed(error: BaseException) -> None:
 
 def lost_peer(error: BaseException) -> bool:
     return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
+
+
+def hook_failures() -> None:
+    """In a rank of a job our launcher started, an error that ends it is told to the launcher, which says once
+    what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
+    another rank lost (that rank is the one to name: here, one line instead of gloo's traceback)."""
+    global _hooked
+    if _hooked or not isinstance(_progress_slot(), memoryview):
+        return
+    _hooked, previous = True, sys.excepthook
+
+    def hook(kind, error, trace):
+        failed(error)
+        if isinstance(error, UsageError):
+            tell_launcher("usage", str(error))
+        elif lost_peer(error):
+            print(f"multicard: rank {os.environ.get('RANK')} lost another rank ({LOST.search(str(error)).group()})",
+                  file=sys.stderr)
+        else:
+            previous(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def tell_launcher(kind: str, text: str) -> None:
+    """Leave in the job's folder how this rank failed ("usage", "said" or "trace"), for our launcher to say."""
+    path = os.path.join(os.path.dirname(os.environ[PROGRESS]), f"error-{os.environ.get('RANK', '0')}")
+    with open(path, "wb") as f:
+        pickle.dump((kind, text), f)
 
 
 def _slot_timed_out() -> None:

@@ -41,14 +41,15 @@ PEER_S = 3  # a rank that failed because another was lost: how long the others g
 
 class RankFailed(Exception):
     """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
-    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal)."""
+    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal).
+    `meant`: someone stopped that rank on purpose (SIGINT or SIGTERM to it alone), so it is not restarted."""
 
-    def __init__(self, rank: int, trace: str):
+    def __init__(self, rank: int, trace: str, meant: bool = False):
         super().__init__(trace if said(rank, trace) else f"rank {rank} failed:\n{trace}")
-        self.rank, self.trace = rank, trace
+        self.rank, self.trace, self.meant = rank, trace, meant
 
     def __reduce__(self):
-        return RankFailed, (self.rank, self.trace)
+        return RankFailed, (self.rank, self.trace, self.meant)
 
 
 def said(rank: int, trace: str) -> bool:
@@ -145,11 +146,12 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
     processes: list = []
     with Signals() as signals:
         try:
+            work = pickle.dumps((fn, args))  # opened in each process as _child says (not before it starts)
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
                     dist.new_slot(slot_path(folder, rank))
                     process = context.Process(target=_child, name=f"multicard rank {rank}",
-                                              args=(rank, fn, args, nprocs, server.port, folder, os.getpid()))
+                                              args=(rank, work, nprocs, server.port, folder, os.getpid()))
                     process.start()
                     processes.append(process)
             failed = _first_failure(processes, folder)
@@ -202,13 +204,9 @@ def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[in
 def _failure(rank: int, processes: list, folder: str) -> Exception:
     """What to raise for the failed `rank`: what it said of itself, else the rank it timed out waiting for,
     else its bad input, its traceback, or how it ended."""
-    try:
-        with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
-            kind, text = pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        kind, text = "", ""
-    if kind == "said":
-        return RankFailed(rank, text)
+    kind, text = told(folder, rank)
+    if kind == "said":  # it was interrupted or stopped, by a signal to it alone
+        return RankFailed(rank, text, meant=True)
     blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder)
     if blamed:
         return RankFailed(*blamed)
@@ -274,29 +272,45 @@ def _stop(processes: list, grace_s: float) -> None:
             multiprocessing.process._children.discard(p)  # else Python's exit would wait for it without limit
 
 
-def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder: str, launcher: int) -> None:
-    """The body of a spawned process: fn(*args), and what became of it left in the job's folder."""
+def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher: int) -> None:
+    """The body of a spawned process: fn(*args) (pickled in `work`), and what became of it left in the job's
+    folder."""
     lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _raise_stopped)
     os.environ.update(job_env(rank, nprocs, port, folder, launcher))
+    fn, args = _unpickled(work, rank, folder)
     try:
         out = fn(*args)
         if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
             raise KeyboardInterrupt if _signalled[0] == signal.SIGINT else Stopped(_signalled[0])
     except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
-        _fail(folder, rank, "said", f"rank {rank} was interrupted (SIGINT)")
+        _fail("said", f"rank {rank} was interrupted (SIGINT)")
     except Stopped as e:
-        _fail(folder, rank, "said", f"rank {rank} was stopped by {e}")
+        _fail("said", f"rank {rank} was stopped by {e}")
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
-        _fail(folder, rank, "usage", str(e))
+        _fail("usage", str(e))
     except Exception as e:
         dist.failed(e)
-        _fail(folder, rank, "trace", traceback.format_exc())
+        _fail("trace", traceback.format_exc())
     if rank == 0:
         with open(os.path.join(folder, "result"), "wb") as f:
             pickle.dump(out, f)
+
+
+def _unpickled(work: bytes, rank: int, folder: str) -> tuple[Callable, tuple]:
+    """fn and its arguments. The modules they come from are imported here as modules: with no command line (the
+    launcher's flags are not theirs: a top-level argparse would refuse them), and one that ends the program when
+    imported fails the job in a line."""
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return pickle.loads(work)
+    except SystemExit as e:
+        _fail("usage", f"importing what rank {rank} runs ended the program (exit {e.code}): a module "
+                                     f"that runs a script at import? put that under `if __name__ == \"__main__\":`")
+    finally:
+        sys.argv = argv
 
 
 _signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
@@ -309,10 +323,18 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
-def _fail(folder: str, rank: int, kind: str, text: str) -> None:
-    with open(os.path.join(folder, f"error-{rank}"), "wb") as f:
-        pickle.dump((kind, text), f)
+def _fail(kind: str, text: str) -> None:
+    dist.tell_launcher(kind, text)
     sys.exit(1)
+
+
+def told(folder: str, rank: int) -> tuple[str, str]:
+    """What rank `rank` left in the job's folder of how it failed (dist.tell_launcher): (kind, text), or empty."""
+    try:
+        with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return "", ""
 
 
 def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
@@ -334,6 +356,10 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             if failed is None:
                 return 0
             rank, code = failed
+            kind, text = told(folder, rank)
+            if kind == "usage":  # the same bad input on every rank: said once
+                print(f"multicard: error: {text}", file=sys.stderr)
+                return 2
             blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder)
             if blamed:
                 print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)

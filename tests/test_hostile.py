@@ -1,0 +1,261 @@
+"""A hostile user's second round (issue 23): no hang past --timeout, no process left behind, one line instead of a
+traceback, no file written that multicard did not make. The parts are tried in this process where they can be;
+what needs a whole job runs a tiny one."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from multicard import dist, launcher, lifeline, models
+from multicard.data import idx
+from multicard.dist import Job, job_from_env, rendezvous_env
+from multicard.errors import UsageError
+from test_faults import JOB_VARIABLES, clean_env
+
+
+# -- hangs ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def job_env(monkeypatch):
+    """This process as rank 1 of 2 of a job met at a port (given later), its launcher's variables cleared."""
+    for name in (*JOB_VARIABLES, dist.LAUNCHER_PID):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(dist, "_slot", None)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return monkeypatch
+
+
+def silent_listener(sock: socket.socket) -> None:
+    sock.listen(8)  # accepts connections (the system does) and never says a word
+
+
+def web_server(sock: socket.socket) -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler, bind_and_activate=False)
+    server.socket = sock
+    sock.listen(8)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("serve", [silent_listener, web_server], ids=["silent", "http"])
+def test_something_else_at_master_port_ends_within_the_timeout(job_env, serve):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        serve(sock)
+        port = sock.getsockname()[1]
+        job_env.setenv("MASTER_PORT", str(port))
+        start = time.monotonic()
+        with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{port}: rank 1 of 2: something listens "
+                                             r"there but does not answer as rank 0's store \(RANK/WORLD_SIZE"):
+            dist.rendezvous(Job(1, 2, launcher="torchrun"), 2)
+        assert time.monotonic() - start < 2 + 3
+
+
+def test_a_process_a_rank_started_is_no_rank_of_that_job():
+    ours = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
+            "MULTICARD_LAUNCHER": "multicard"}
+    assert job_from_env({**ours, dist.LAUNCHER_PID: str(os.getppid())}) == Job(0, 2, 0, 2, "multicard")
+    assert job_from_env({**ours, dist.LAUNCHER_PID: str(os.getpid())}) == Job()  # our parent did not start the job
+
+
+@pytest.mark.slow
+def test_multicard_train_inside_a_script_under_multicard_run_runs_on_its_own(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import subprocess, sys\nimport multicard\nmc = multicard.Multicard(timeout=10)\nmc.barrier()\n"
+        "if mc.rank == 0:\n"
+        "    subprocess.run([sys.executable, '-m', 'multicard', 'train', '--data', 'synthetic', '--synthetic-samples',"
+        " '64', '--epochs', '1', '--quiet', '--timeout', '5', '--out', sys.argv[1]], check=True, timeout=60)\n"
+        "mc.barrier()\n")
+    out = run_cli("run", "--devices", "cpu:2", str(script), str(tmp_path / "out"), env=clean_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "model.pt").is_file()
+
+
+class Frozen:
+    """A process that SIGKILL does not end (one frozen by a cgroup freezer ends only once thawed)."""
+
+    pid, returncode, exitcode, sentinel = 999_999, None, None, -1
+    killed = False
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("waited on a frozen process without a limit")
+        time.sleep(min(timeout, 0.05))
+        raise subprocess.TimeoutExpired("frozen", timeout)
+
+    def is_alive(self):
+        return True
+
+    def join(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("waited on a frozen process without a limit")
+        time.sleep(min(timeout, 0.05))
+
+    def terminate(self):
+        pass
+
+    kill = terminate
+
+
+@pytest.mark.parametrize("stop", ["run", "spawn"])
+def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch, capsys, stop):
+    monkeypatch.setattr(launcher, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(launcher, "KILLED_S", 0.2)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # the SIGCONT for a process that is not there
+    start = time.monotonic()
+    if stop == "run":
+        launcher.terminate([Frozen()])
+    else:
+        launcher._stop([Frozen()], 0.2)
+    assert time.monotonic() - start < 3
+    assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
+
+
+def test_a_gz_whose_header_claims_more_than_memory_is_refused_before_reading(tmp_path, monkeypatch):
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    images = np.zeros((1000, 28, 28), np.uint8)
+    path.write_bytes(gzip.compress((2051).to_bytes(4, "big") + b"".join(n.to_bytes(4, "big") for n in images.shape)
+                                   + images.tobytes()))
+    monkeypatch.setattr(idx, "available_memory", lambda: 1 << 20)
+    read = []
+    monkeypatch.setattr(np, "empty", lambda *a, **k: read.append(a) or np.zeros(*a, **k))
+    with pytest.raises(UsageError, match=r"its header \(1000, 28, 28\) needs 0.00 GiB of memory once read, more than "
+                                         r"the 0.00 GiB available"):
+        idx.read_idx(path, idx.IMAGES_MAGIC)
+    assert read == []  # refused before anything was allocated
+    monkeypatch.setattr(idx, "available_memory", lambda: 1 << 30)
+    assert idx.read_idx(path, idx.IMAGES_MAGIC).shape == (1000, 28, 28)
+
+
+# -- a file multicard did not make ----------------------------------------------------------------------------
+def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path, monkeypatch, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious data, 32 bytes of it!!\n")
+    monkeypatch.setenv(dist.PROGRESS, str(victim))
+    monkeypatch.setattr(dist, "_slot", None)
+    dist.progress()
+    dist.failed(RuntimeError("Timed out waiting 5000ms"))
+    assert victim.read_bytes() == b"precious data, 32 bytes of it!!\n"
+    assert capsys.readouterr().err.splitlines() == [
+        f"multicard: {dist.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
+
+
+# -- orphans ---------------------------------------------------------------------------------------------------
+def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
+    """A rank's DataLoader workers (forked) end with the rank, however it ends: SIGKILL here."""
+    code = ("import os, sys, time\nfrom multicard import lifeline\nlifeline.tie_forks()\n"
+            "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+            "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}, start_new_session=True)
+    try:
+        pid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not (children := children_of(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) == 1
+        os.kill(pid, 9)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(children[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(children[0])
+    finally:
+        try:
+            os.killpg(parent.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_rank_whose_launcher_is_gone_ends_and_never_publishes(monkeypatch, capsys):
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(lifeline, "_parent", os.getppid())
+    lifeline.end_if_orphaned(0)
+    assert killed == []  # its launcher is there
+    monkeypatch.setattr(lifeline, "_parent", os.getppid() + 1)  # as after the launcher died: another parent
+    lifeline.end_if_orphaned(3)
+    assert killed == [(os.getpid(), 9)]
+    err = capsys.readouterr().err
+    assert f"multicard: rank 3: its launcher (pid {os.getppid() + 1}) is gone; this rank ends" in err
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+# -- one line, not a traceback ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("env, words", [
+    ({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "abc"}, "TORCHELASTIC_RESTART_COUNT='abc'"),
+])
+def test_a_bad_job_variable_is_one_line(env, words):
+    with pytest.raises(UsageError, match=f"^{words}"):
+        job_from_env(env)
+
+
+def test_an_unreadable_slurm_node_list_is_one_line():
+    with pytest.raises(UsageError, match=r"^SLURM_JOB_NODELIST='\[' in the environment: cannot read a host"):
+        rendezvous_env({"SLURM_JOB_NODELIST": "[", "SLURM_JOB_ID": "1"})
+
+
+@pytest.mark.parametrize("seconds", [1e14, 1e-6, 0.5, float("nan")])
+def test_a_timeout_out_of_range_is_one_line(seconds):
+    with pytest.raises(UsageError, match=r"^--timeout .*: must be from 1 to 1e\+06 seconds"):
+        dist.check_timeout(seconds)
+    dist.check_timeout(1)
+    dist.check_timeout(1e6)
+
+
+@pytest.mark.parametrize("spec", [":Net", "x.py:", "multicard.models:"])
+def test_a_model_spec_without_its_module_or_class_is_one_line(spec):
+    with pytest.raises(UsageError, match=f"^--model {spec}: name both the file"):
+        models.build(spec)
+
+
+@pytest.mark.parametrize("top", ["import sys\nsys.exit(0)\n",
+                                 "import argparse\nargparse.ArgumentParser().parse_args()\n"])
+def test_a_model_module_that_ends_the_program_at_import_is_one_line(tmp_path, monkeypatch, top):
+    module = tmp_path / "ends_here.py"
+    module.write_text(top + "import torch\n\n\ndef Net():\n    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.setattr(sys, "argv", ["multicard", "train", "--model", f"{module}:Net"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if top.startswith("import argparse"):  # it sees no flags of ours: the model is built
+        assert isinstance(models.build(f"{module}:Net"), torch.nn.Linear)
+    else:
+        with pytest.raises(UsageError, match=r"ends_here.py ended the program \(exit 0\); run its script part only"):
+            models.build(f"{module}:Net")
+    assert sys.argv == ["multicard", "train", "--model", f"{module}:Net"]
+    sys.modules.pop("ends_here", None)
