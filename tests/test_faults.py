@@ -311,3 +311,22 @@ def test_a_rendezvous_names_who_is_missing(monkeypatch):
     with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{other}: rank 1 of 3 found no rank 0 "
                                               r"there within 1 s \(RANK/WORLD_SIZE"):
         dist.rendezvous(Job(1, 3, launcher="torchrun"), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["launcher", "rank"])
+def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
+    """SIGKILL to the launcher, or to one rank: its DataLoader workers and the resource tracker end too (the
+    workers are started by the ranks, the tracker lives while any of them holds its pipe). A worker still
+    starting (importing torch: seconds on 2 busy cores) ends once it has."""
+    run = runs(tmp_path / "out", "--workers", "2", ignore_sigint=True)
+    run.training()
+    deadline = time.monotonic() + 30
+    while len(group(run.pid)) < 1 + 2 + 2 * 2 and time.monotonic() < deadline:  # launcher, ranks, their workers
+        time.sleep(0.05)
+    assert len(group(run.pid)) >= 1 + 2 + 2 * 2
+    os.kill(run.pid if victim == "launcher" else run.workers()[1], signal.SIGKILL)
+    if victim == "rank":
+        code, err = run.end(30)
+        assert code != 0 and "rank 1 ended with signal SIGKILL" in err
+    assert gone(lambda: group(run.pid), 30)

@@ -183,6 +183,37 @@ def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
             pass
 
 
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_dataloader_worker_hung_in_getitem_dies_with_its_process(tmp_path, start):
+    """A worker of a loader multicard set up ends with the process it serves (a rank), even hung in __getitem__."""
+    (tmp_path / "hangs.py").write_text(
+        "import os, time\nimport torch\nfrom multicard.data.loaders import shard\n"
+        "class Hangs(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n"
+        "    def __getitem__(self, i):\n        print(os.getpid(), flush=True)\n        time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        f"    loader = torch.utils.data.DataLoader(Hangs(), 4, num_workers=1, multiprocessing_context='{start}')\n"
+        "    inner = shard(loader, train=False, rank=0, world=1, device=torch.device('cpu'),\n"
+        "                  local_batch=lambda b, k=1: b, seed=0)\n"
+        "    next(iter(inner))\n")
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "hangs.py")], stdout=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
+                              start_new_session=True)
+    try:
+        worker = int(parent.stdout.readline())  # it is in __getitem__ now
+        assert worker != parent.pid and alive(worker)
+        os.kill(parent.pid, 9)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+    finally:
+        try:
+            os.killpg(parent.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_rank_whose_launcher_is_gone_ends_and_never_publishes(monkeypatch, capsys):
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))

@@ -4,11 +4,13 @@ agent, srun's step), a DataLoader worker no longer than its rank. Nothing of a j
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
@@ -36,6 +38,18 @@ def tie_forks() -> None:
         _forking.append(0)
         os.register_at_fork(before=lambda: _forking.__setitem__(0, os.getpid()),
                             after_in_child=lambda: die_with(_forking[0]))
+
+
+def in_worker(init: Callable[[int], None] | None) -> Callable[[int], None]:
+    """A DataLoader's worker_init_fn: the worker is first tied to this process (it dies with it, however it was
+    started: fork or spawn), then `init` (the user's own) runs."""
+    return functools.partial(_worker_started, os.getpid(), init)
+
+
+def _worker_started(parent: int, init: Callable[[int], None] | None, worker_id: int) -> None:
+    die_with(parent)
+    if init is not None:
+        init(worker_id)
 
 
 def watch_parent(rank: int) -> None:
