@@ -290,3 +290,44 @@ def test_a_model_module_that_ends_the_program_at_import_is_one_line(tmp_path, mo
             models.build(f"{module}:Net")
     assert sys.argv == ["multicard", "train", "--model", f"{module}:Net"]
     sys.modules.pop("ends_here", None)
+
+
+# -- the first failure, truly ----------------------------------------------------------------------------------
+def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
+    folder = str(tmp_path)
+    for rank in range(3):
+        dist.new_slot(launcher.slot_path(folder, rank))
+    with open(launcher.slot_path(folder, 0), "r+b") as f:
+        f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.LOST_PEER))
+    codes = {0: 1, 1: 3, 2: 0}
+    order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
+    ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
+    assert launcher.first_to_fail(3, ended, codes.get, folder) == 1
+    order[:] = [[0], [2]]  # no other failure within the grace: rank 0 is all there is to name
+    assert launcher.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
+
+
+SCRIPT = "import sys\nimport multicard\nmc = multicard.Multicard(timeout=20)\n"
+
+
+def multicard_run(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT + body)
+    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=120)
+
+
+@pytest.mark.slow
+def test_under_multicard_run_the_rank_that_failed_is_named_with_its_code(tmp_path):
+    out = multicard_run(tmp_path, "mc.barrier()\nif mc.rank == 1:\n    sys.exit(3)\nmc.all_reduce(1.0)\n")
+    assert out.returncode == 3
+    lines = out.stderr.splitlines()
+    assert lines[-1] == "multicard: rank 1 failed with exit code 3 (its output is above); the other ranks were stopped"
+    assert "Traceback" not in out.stderr  # rank 0's lost connection is one line, not gloo's traceback
+    assert lines[:-1] in ([], ["[rank0]: multicard: rank 0 lost another rank (Connection closed by peer)"])
+
+
+def test_under_multicard_run_a_bad_input_is_said_once(tmp_path):
+    out = multicard_run(tmp_path, "mc.local_batch(7)\n")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["multicard: error: batch size 7 does not split over 2 processes; use a "
+                                       "multiple of 2 (e.g. 6 or 8)"]
