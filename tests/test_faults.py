@@ -330,3 +330,42 @@ def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
         code, err = run.end(30)
         assert code != 0 and "rank 1 ended with signal SIGKILL" in err
     assert gone(lambda: group(run.pid), 30)
+
+
+@pytest.mark.slow
+def test_torchrun_killed_outright_takes_its_ranks_along_and_publishes_nothing(tmp_path):
+    """torchrun's agent does not end its ranks when it is killed outright: they watch it, end within a second or
+    so, and rank 0 never shows its run in --out."""
+    out = tmp_path / "out"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "multicard", "train", *TRAIN[3:], "--out", str(out)], cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (ranks := [p for p in processes() if stat(p)[1] == str(agent.pid) and "multicard" in cmdline(p)
+                             and "torch.distributed.run" not in cmdline(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(ranks) == 2
+        while not list(out.glob(".run-*")) and time.monotonic() < deadline:  # rank 0 has begun its run
+            time.sleep(0.1)
+        os.kill(agent.pid, signal.SIGKILL)
+        assert gone(lambda: running(ranks), 15)
+        assert not (out / "model.pt").exists()
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(agent.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_restarted_under_max_restarts(tmp_path, runs):
+    """A rank stopped by SIGSTOP did not choose to stop (as one sent SIGINT or SIGTERM did): it is restarted."""
+    run = runs(tmp_path / "out", "--timeout", "5", "--max-restarts", "2")
+    run.training()
+    os.kill(run.workers()[1], signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while "restart 1 of 2" not in (line := run.lines.get(timeout=max(0.0, deadline - time.monotonic()))):
+        pass
+    assert line.startswith("multicard: rank 1 failed; restart 1 of 2")

@@ -331,3 +331,32 @@ def test_under_multicard_run_a_bad_input_is_said_once(tmp_path):
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["multicard: error: batch size 7 does not split over 2 processes; use a "
                                        "multiple of 2 (e.g. 6 or 8)"]
+
+
+def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
+    import pickle
+
+    folder = str(tmp_path)
+    for rank in range(2):
+        dist.new_slot(launcher.slot_path(folder, rank))
+    with open(os.path.join(folder, "error-1"), "wb") as f:
+        pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
+    meant = launcher._failure(1, [], folder)
+    assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
+    with open(launcher.slot_path(folder, 0), "r+b") as f:  # rank 0 timed out waiting: for a frozen rank 1
+        f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.TIMED_OUT_STATE))
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        frozen = launcher._failure(0, [Alive(0), Alive(sleeper.pid)], folder)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert frozen.rank == 1 and "stopped making progress" in frozen.trace and not frozen.meant
+
+
+class Alive:
+    def __init__(self, pid: int):
+        self.pid, self.exitcode = pid, 1
+
+    def is_alive(self) -> bool:
+        return True
