@@ -369,3 +369,17 @@ def test_a_frozen_rank_is_restarted_under_max_restarts(tmp_path, runs):
     while "restart 1 of 2" not in (line := run.lines.get(timeout=max(0.0, deadline - time.monotonic()))):
         pass
     assert line.startswith("multicard: rank 1 failed; restart 1 of 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
+    """As a closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the launcher, its ranks and the resource tracker
+    at once: the tracker lives on (else each rank's cleanup starts a new one: a traceback per rank)."""
+    run = runs(tmp_path / "out")
+    run.training()
+    os.killpg(run.pid, getattr(signal, name))
+    code, err = run.end(30)
+    assert code == 128 + getattr(signal, name)
+    assert err.strip().splitlines() == [f"multicard: stopped by {name}; every rank was stopped"]
+    assert gone(lambda: group(run.pid), 5)

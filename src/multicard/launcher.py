@@ -148,6 +148,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
         try:
             work = pickle.dumps((fn, args))  # opened in each process as _child says (not before it starts)
             with signals.holding():  # every process started is known before a signal is acted on
+                _tracker()
                 for rank in range(nprocs):
                     dist.new_slot(slot_path(folder, rank))
                     process = context.Process(target=_child, name=f"multicard rank {rank}",
@@ -163,6 +164,19 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             _stop(processes, grace_s)
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _tracker() -> None:
+    """Start multiprocessing's resource tracker (the job's processes share it) with SIGHUP blocked, as it blocks
+    SIGINT and SIGTERM itself: SIGHUP to the job's process group would end it, and every rank's cleanup would
+    then start a new one that knows none of their semaphores (a traceback per rank)."""
+    from multiprocessing import resource_tracker
+
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _first_failure(processes: list, folder: str) -> int | None:
@@ -318,6 +332,8 @@ _signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGT
 
 def _raise_stopped(signum: int, frame: Any) -> None:
     _signalled.append(signum)
+    if len(_signalled) > 1:  # a second signal (SIGHUP to the group, then SIGTERM from the launcher): the cleanup
+        return  # the first began goes on (the launcher's SIGKILL still bounds it)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Stopped(signum)
