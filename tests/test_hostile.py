@@ -360,3 +360,12 @@ class Alive:
 
     def is_alive(self) -> bool:
         return True
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_one_line():
+    code = ("from multicard import cli\n"
+            "def parser():\n    raise KeyboardInterrupt\n"
+            "cli.parser = parser\ncli.entry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+    assert (out.returncode, out.stderr) == (130, "multicard: interrupted\n")
