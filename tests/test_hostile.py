@@ -369,3 +369,30 @@ def test_ctrl_c_while_the_command_line_is_read_is_one_line():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     assert (out.returncode, out.stderr) == (130, "multicard: interrupted\n")
+
+
+def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collectives(tmp_path, monkeypatch):
+    monkeypatch.setattr(launcher, "MISMATCH_S", 0.2)
+    folder = str(tmp_path)
+    now = time.monotonic()
+    for rank in range(3):
+        dist.new_slot(launcher.slot_path(folder, rank))
+
+    def show(rank: int, last: float, state: float) -> None:
+        with open(launcher.slot_path(folder, rank), "r+b") as f:
+            f.write(dist.SLOT.pack(dist.MARK, last, 5.0, state))
+
+    show(0, now - 6, dist.TIMED_OUT_STATE)
+    show(1, now - 6, dist.TIMED_OUT_STATE)
+    show(2, now - 5, dist.TIMED_OUT_STATE)
+    assert launcher.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
+                                                   "and 2 for it: the ranks called different collectives (or the "
+                                                   "same ones in another order)")
+    show(2, now - 9, 0.0)  # rank 2 did not wait: it stopped making progress
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        rank, why = launcher.blame(0, {2: sleeper.pid}, folder, 3)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s")

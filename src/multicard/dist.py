@@ -225,7 +225,7 @@ def rendezvous(job: Job, timeout_s: float):
                 missing = [r for r in ranks if not joined.check([r])]
                 _slot_timed_out()
                 raise UsageError(f"{where}: {job.world - len(missing)} of {job.world} processes joined within "
-                                 f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {_listed(missing)} "
+                                 f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {listed(missing)} "
                                  f"({origin})")
             time.sleep(JOINED)
     except DistError as e:  # the store went away: its holder ended (it gave up, or failed)
@@ -273,7 +273,7 @@ def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> N
             time.sleep(0.2)
 
 
-def _listed(items: list[str], most: int = 8) -> str:
+def listed(items: list[str], most: int = 8) -> str:
     shown = items[:most] + ([f"{len(items) - most} more"] if len(items) > most else [])
     return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
 KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
+MISMATCH_S = 2  # a rank timed out waiting: how long the others get to time out too (then none stopped: a mismatch)
 PEER_S = 3  # a rank that failed because another was lost: how long the others get to say they failed first
 
 
@@ -221,7 +222,8 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
     kind, text = told(folder, rank)
     if kind == "said":  # it was interrupted or stopped, by a signal to it alone
         return RankFailed(rank, text, meant=True)
-    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder)
+    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder,
+                   len(processes))
     if blamed:
         return RankFailed(*blamed)
     if kind == "usage":
@@ -235,15 +237,21 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def blame(failed: int, others: dict[int, int], folder: str) -> tuple[int, str] | None:
+def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> tuple[int, str] | None:
     """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
-    running), and why: one stopped by a signal (a frozen process), else the one whose progress is oldest."""
+    running), and why: one stopped by a signal (a frozen process); else, where every other rank of the `world`
+    timed out waiting too, none: they called different collectives; else the one whose progress is oldest."""
     _, timeout, state = dist.read_slot(slot_path(folder, failed))
-    if state != dist.TIMED_OUT_STATE or not others:
+    if state != dist.TIMED_OUT_STATE or not (others or world > 1):
         return None
     stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
     if stopped:
         rank, why = stopped[0], "it was stopped by a signal"
+    elif world > 1 and (waiting := _waiting_too(failed, world, folder)):
+        return failed, (f"rank {failed} timed out waiting for {waiting} after {timeout:g} s, and {waiting} for it: "
+                        f"the ranks called different collectives (or the same ones in another order)")
+    elif not others:
+        return None
     else:
         last = {r: dist.read_slot(slot_path(folder, r))[0] for r in others}
         rank = min(last, key=lambda r: (last[r], r))
@@ -251,6 +259,18 @@ def blame(failed: int, others: dict[int, int], folder: str) -> tuple[int, str] |
             "it made no progress at all"
     return rank, (f"rank {rank} stopped making progress ({why}; rank {failed} timed out waiting for it after "
                   f"{timeout:g} s)")
+
+
+def _waiting_too(failed: int, world: int, folder: str) -> str:
+    """"rank 1" or "ranks 1 and 2": every rank but `failed`, where each timed out waiting within MISMATCH_S (they
+    started to wait about together); "" where one did not (it is the one that stopped making progress)."""
+    others = [r for r in range(world) if r != failed]
+    deadline = time.monotonic() + MISMATCH_S
+    while any(dist.read_slot(slot_path(folder, r))[2] != dist.TIMED_OUT_STATE for r in others):
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.05)
+    return f"rank{'s' * (len(others) > 1)} {dist.listed([str(r) for r in others])}"
 
 
 def _state(pid: int) -> str:
@@ -376,7 +396,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             if kind == "usage":  # the same bad input on every rank: said once
                 print(f"multicard: error: {text}", file=sys.stderr)
                 return 2
-            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder)
+            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder,
+                           nprocs)
             if blamed:
                 print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)
             else:
