@@ -74,7 +74,7 @@ def test_a_process_a_rank_started_is_no_rank_of_that_job():
 def test_multicard_train_inside_a_script_under_multicard_run_runs_on_its_own(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
-        "import subprocess, sys\nimport multicard\nmc = multicard.Multicard(timeout=10)\nmc.barrier()\n"
+        "import subprocess, sys\nimport multicard\nmc = multicard.Multicard(timeout=300)\nmc.barrier()\n"
         "if mc.rank == 0:\n"
         "    subprocess.run([sys.executable, '-m', 'multicard', 'train', '--data', 'synthetic', '--synthetic-samples',"
         " '64', '--epochs', '1', '--quiet', '--timeout', '5', '--out', sys.argv[1]], check=True, timeout=60)\n"
@@ -396,3 +396,21 @@ def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collec
         sleeper.kill()
         sleeper.wait()
     assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s")
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_the_only_traceback_shown(tmp_path):
+    (tmp_path / "boom.py").write_text(
+        "import os\nimport torch\n\n\nclass Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.f, self.calls = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10)), 0\n\n"
+        "    def forward(self, x):\n        self.calls += 1\n"
+        "        if os.environ['RANK'] == '1' and self.calls == 3:\n            raise ValueError('boom on rank 1')\n"
+        "        return self.f(x)\n")
+    out = run_cli("train", "--model", f"{tmp_path / 'boom.py'}:Net", "--devices", "cpu:2", "--data", "synthetic",
+                  "--synthetic-samples", "2048", "--epochs", "1", "--quiet", "--out", str(tmp_path / "out"),
+                  env=clean_env(), timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.startswith("multicard: rank 1 failed; its traceback:\nTraceback")
+    assert out.stderr.count("Traceback") == 1 and out.stderr.rstrip().endswith("ValueError: boom on rank 1")
+    assert "gloo" not in out.stderr and "peer" not in out.stderr
