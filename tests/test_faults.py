@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher
+from multicard import dist, launcher, outcome
 from multicard.dist import Job
 from multicard.errors import UsageError
 
@@ -236,7 +236,7 @@ def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
 @pytest.fixture
 def slot(tmp_path, monkeypatch):
     """This process as rank 0 of a job our launcher started: its progress file."""
-    path = launcher.slot_path(str(tmp_path), 0)
+    path = outcome.slot_path(str(tmp_path), 0)
     dist.new_slot(path)
     monkeypatch.setenv(dist.PROGRESS, path)
     monkeypatch.setattr(dist, "_slot", None)
@@ -267,10 +267,10 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for rank in range(3):
-            dist.new_slot(launcher.slot_path(folder, rank))
+            dist.new_slot(outcome.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
-            with open(launcher.slot_path(folder, rank), "r+b") as f:
+            with open(outcome.slot_path(folder, rank), "r+b") as f:
                 f.write(dist.SLOT.pack(dist.MARK, last, 5.0, 1.0 if timed_out else 0.0))
 
         now = time.monotonic()
@@ -278,16 +278,16 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
         show(1, now - 1)
         show(2, now - 9)
         others = {1: sleepers[0].pid, 2: sleepers[1].pid}
-        assert launcher.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
+        assert outcome.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
         show(0, now - 6, timed_out=True)
-        rank, why = launcher.blame(0, others, folder)
+        rank, why = outcome.blame(0, others, folder)
         assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s; rank 0 "
                                             "timed out waiting for it after 5 s")
         os.kill(sleepers[0].pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5
         while stat(sleepers[0].pid)[0] != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert launcher.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
+        assert outcome.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
                                                         "rank 0 timed out waiting for it after 5 s)")
     finally:
         for sleeper in sleepers:

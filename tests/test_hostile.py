@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher, lifeline, models
+from multicard import dist, launcher, lifeline, models, outcome
 from multicard.data import idx
 from multicard.dist import Job, job_from_env, rendezvous_env
 from multicard.errors import UsageError
@@ -115,14 +115,14 @@ class Frozen:
 
 @pytest.mark.parametrize("stop", ["run", "spawn"])
 def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch, capsys, stop):
-    monkeypatch.setattr(launcher, "STOP_GRACE_S", 0.2)
-    monkeypatch.setattr(launcher, "KILLED_S", 0.2)
+    monkeypatch.setattr(outcome, "STOP_GRACE_S", 0.2)
+    monkeypatch.setattr(outcome, "KILLED_S", 0.2)
     monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # the SIGCONT for a process that is not there
     start = time.monotonic()
     if stop == "run":
-        launcher.terminate([Frozen()])
+        outcome.terminate([Frozen()])
     else:
-        launcher._stop([Frozen()], 0.2)
+        outcome.stop([Frozen()], 0.2)
     assert time.monotonic() - start < 3
     assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
 
@@ -296,15 +296,15 @@ def test_a_model_module_that_ends_the_program_at_import_is_one_line(tmp_path, mo
 def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
     folder = str(tmp_path)
     for rank in range(3):
-        dist.new_slot(launcher.slot_path(folder, rank))
-    with open(launcher.slot_path(folder, 0), "r+b") as f:
+        dist.new_slot(outcome.slot_path(folder, rank))
+    with open(outcome.slot_path(folder, 0), "r+b") as f:
         f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.LOST_PEER))
     codes = {0: 1, 1: 3, 2: 0}
     order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
     ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
-    assert launcher.first_to_fail(3, ended, codes.get, folder) == 1
+    assert outcome.first_to_fail(3, ended, codes.get, folder) == 1
     order[:] = [[0], [2]]  # no other failure within the grace: rank 0 is all there is to name
-    assert launcher.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
+    assert outcome.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
 
 
 SCRIPT = "import sys\nimport multicard\nmc = multicard.Multicard(timeout=20)\n"
@@ -338,12 +338,12 @@ def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
 
     folder = str(tmp_path)
     for rank in range(2):
-        dist.new_slot(launcher.slot_path(folder, rank))
+        dist.new_slot(outcome.slot_path(folder, rank))
     with open(os.path.join(folder, "error-1"), "wb") as f:
         pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
     meant = launcher._failure(1, [], folder)
     assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
-    with open(launcher.slot_path(folder, 0), "r+b") as f:  # rank 0 timed out waiting: for a frozen rank 1
+    with open(outcome.slot_path(folder, 0), "r+b") as f:  # rank 0 timed out waiting: for a frozen rank 1
         f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.TIMED_OUT_STATE))
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
@@ -372,26 +372,26 @@ def test_ctrl_c_while_the_command_line_is_read_is_one_line():
 
 
 def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collectives(tmp_path, monkeypatch):
-    monkeypatch.setattr(launcher, "MISMATCH_S", 0.2)
+    monkeypatch.setattr(outcome, "MISMATCH_S", 0.2)
     folder = str(tmp_path)
     now = time.monotonic()
     for rank in range(3):
-        dist.new_slot(launcher.slot_path(folder, rank))
+        dist.new_slot(outcome.slot_path(folder, rank))
 
     def show(rank: int, last: float, state: float) -> None:
-        with open(launcher.slot_path(folder, rank), "r+b") as f:
+        with open(outcome.slot_path(folder, rank), "r+b") as f:
             f.write(dist.SLOT.pack(dist.MARK, last, 5.0, state))
 
     show(0, now - 6, dist.TIMED_OUT_STATE)
     show(1, now - 6, dist.TIMED_OUT_STATE)
     show(2, now - 5, dist.TIMED_OUT_STATE)
-    assert launcher.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
+    assert outcome.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
                                                    "and 2 for it: the ranks called different collectives (or the "
                                                    "same ones in another order)")
     show(2, now - 9, 0.0)  # rank 2 did not wait: it stopped making progress
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        rank, why = launcher.blame(0, {2: sleeper.pid}, folder, 3)
+        rank, why = outcome.blame(0, {2: sleeper.pid}, folder, 3)
     finally:
         sleeper.kill()
         sleeper.wait()
