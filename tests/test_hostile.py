@@ -58,7 +58,7 @@ def test_something_else_at_master_port_ends_within_the_timeout(job_env, serve):
         job_env.setenv("MASTER_PORT", str(port))
         start = time.monotonic()
         with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{port}: rank 1 of 2: something listens "
-                                             r"there but does not answer as rank 0's store \(RANK/WORLD_SIZE"):
+                                             r"there but does not answer as the job's store \(RANK/WORLD_SIZE"):
             dist.rendezvous(Job(1, 2, launcher="torchrun"), 2)
         assert time.monotonic() - start < 2 + 3
 

@@ -22,7 +22,7 @@ from .errors import UsageError
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # and here themselves: a process whose parent is not that one is no rank
 # that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
-# 1.0 once a wait timed out
+# and how the rank failed (0, TIMED_OUT_STATE or LOST_PEER)
 SLOT = struct.Struct("8s3d")
 MARK = b"mcslot1\n"
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
@@ -206,7 +206,7 @@ def rendezvous(job: Job, timeout_s: float):
         _wait_for_listener(addr, port, deadline, f"{where}: rank {job.rank} of {job.world} found no {holder} "
                                                  f"there within {timeout_s:g} s ({origin})")
         store = _client(addr, port, deadline, f"{where}: rank {job.rank} of {job.world}: something listens there "
-                                              f"but does not answer as {holder}'s store ({origin})")
+                                              f"but does not answer as the job's store ({origin})")
     else:
         try:
             store = TCPStore(addr, port, job.world, is_master=True, timeout=timedelta(seconds=timeout_s),
