@@ -15,14 +15,14 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher, outcome
+from multicard import dist, launcher, outcome, slots
 from multicard.dist import Job
 from multicard.errors import UsageError
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
          "--quiet", "--no-augment"]
 JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", dist.PROGRESS)
+                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", slots.PROGRESS)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -237,28 +237,28 @@ def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
 def slot(tmp_path, monkeypatch):
     """This process as rank 0 of a job our launcher started: its progress file."""
     path = outcome.slot_path(str(tmp_path), 0)
-    dist.new_slot(path)
-    monkeypatch.setenv(dist.PROGRESS, path)
-    monkeypatch.setattr(dist, "_slot", None)
+    slots.new_slot(path)
+    monkeypatch.setenv(slots.PROGRESS, path)
+    monkeypatch.setattr(slots, "_slot", None)
     return path
 
 
 def test_progress_reaches_the_launcher(slot):
-    assert dist.read_slot(slot) == (0.0, 0.0, 0.0)
+    assert slots.read_slot(slot) == (0.0, 0.0, 0.0)
     before = time.monotonic()
-    dist.progress()
-    last, _, timed_out = dist.read_slot(slot)
+    slots.progress()
+    last, _, timed_out = slots.read_slot(slot)
     assert before <= last <= time.monotonic() and not timed_out
-    dist.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
-    assert dist.read_slot(slot)[2]
+    slots.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert slots.read_slot(slot)[2]
 
 
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
-    monkeypatch.delenv(dist.PROGRESS, raising=False)
-    monkeypatch.setattr(dist, "_slot", None)
+    monkeypatch.delenv(slots.PROGRESS, raising=False)
+    monkeypatch.setattr(slots, "_slot", None)
     start = time.perf_counter()
     for _ in range(100_000):
-        dist.progress()
+        slots.progress()
     assert time.perf_counter() - start < 1  # about 0.2 us a call
 
 
@@ -267,11 +267,11 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for rank in range(3):
-            dist.new_slot(outcome.slot_path(folder, rank))
+            slots.new_slot(outcome.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
             with open(outcome.slot_path(folder, rank), "r+b") as f:
-                f.write(dist.SLOT.pack(dist.MARK, last, 5.0, 1.0 if timed_out else 0.0))
+                f.write(slots.SLOT.pack(slots.MARK, last, 5.0, 1.0 if timed_out else 0.0))
 
         now = time.monotonic()
         show(0, now - 6)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher, lifeline, models, outcome
+from multicard import dist, launcher, lifeline, models, outcome, slots
 from multicard.data import idx
 from multicard.dist import Job, job_from_env, rendezvous_env
 from multicard.errors import UsageError
@@ -31,7 +31,7 @@ def job_env(monkeypatch):
     """This process as rank 1 of 2 of a job met at a port (given later), its launcher's variables cleared."""
     for name in (*JOB_VARIABLES, dist.LAUNCHER_PID):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(dist, "_slot", None)
+    monkeypatch.setattr(slots, "_slot", None)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -147,13 +147,13 @@ def test_a_gz_whose_header_claims_more_than_memory_is_refused_before_reading(tmp
 def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path, monkeypatch, capsys):
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious data, 32 bytes of it!!\n")
-    monkeypatch.setenv(dist.PROGRESS, str(victim))
-    monkeypatch.setattr(dist, "_slot", None)
-    dist.progress()
-    dist.failed(RuntimeError("Timed out waiting 5000ms"))
+    monkeypatch.setenv(slots.PROGRESS, str(victim))
+    monkeypatch.setattr(slots, "_slot", None)
+    slots.progress()
+    slots.failed(RuntimeError("Timed out waiting 5000ms"))
     assert victim.read_bytes() == b"precious data, 32 bytes of it!!\n"
     assert capsys.readouterr().err.splitlines() == [
-        f"multicard: {dist.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
+        f"multicard: {slots.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
 
 
 # -- orphans ---------------------------------------------------------------------------------------------------
@@ -296,9 +296,9 @@ def test_a_model_module_that_ends_the_program_at_import_is_one_line(tmp_path, mo
 def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
     folder = str(tmp_path)
     for rank in range(3):
-        dist.new_slot(outcome.slot_path(folder, rank))
+        slots.new_slot(outcome.slot_path(folder, rank))
     with open(outcome.slot_path(folder, 0), "r+b") as f:
-        f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.LOST_PEER))
+        f.write(slots.SLOT.pack(slots.MARK, 1.0, 5.0, slots.LOST_PEER))
     codes = {0: 1, 1: 3, 2: 0}
     order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
     ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
@@ -338,13 +338,13 @@ def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
 
     folder = str(tmp_path)
     for rank in range(2):
-        dist.new_slot(outcome.slot_path(folder, rank))
+        slots.new_slot(outcome.slot_path(folder, rank))
     with open(os.path.join(folder, "error-1"), "wb") as f:
         pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
     meant = launcher._failure(1, [], folder)
     assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
     with open(outcome.slot_path(folder, 0), "r+b") as f:  # rank 0 timed out waiting: for a frozen rank 1
-        f.write(dist.SLOT.pack(dist.MARK, 1.0, 5.0, dist.TIMED_OUT_STATE))
+        f.write(slots.SLOT.pack(slots.MARK, 1.0, 5.0, slots.TIMED_OUT_STATE))
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         frozen = launcher._failure(0, [Alive(0), Alive(sleeper.pid)], folder)
@@ -376,15 +376,15 @@ def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collec
     folder = str(tmp_path)
     now = time.monotonic()
     for rank in range(3):
-        dist.new_slot(outcome.slot_path(folder, rank))
+        slots.new_slot(outcome.slot_path(folder, rank))
 
     def show(rank: int, last: float, state: float) -> None:
         with open(outcome.slot_path(folder, rank), "r+b") as f:
-            f.write(dist.SLOT.pack(dist.MARK, last, 5.0, state))
+            f.write(slots.SLOT.pack(slots.MARK, last, 5.0, state))
 
-    show(0, now - 6, dist.TIMED_OUT_STATE)
-    show(1, now - 6, dist.TIMED_OUT_STATE)
-    show(2, now - 5, dist.TIMED_OUT_STATE)
+    show(0, now - 6, slots.TIMED_OUT_STATE)
+    show(1, now - 6, slots.TIMED_OUT_STATE)
+    show(2, now - 5, slots.TIMED_OUT_STATE)
     assert outcome.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
                                                    "and 2 for it: the ranks called different collectives (or the "
                                                    "same ones in another order)")

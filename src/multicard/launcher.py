@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import dist, lifeline
+from . import dist, lifeline, slots
 from .errors import UsageError
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
@@ -84,7 +84,7 @@ def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
     env[dist.LAUNCHER_PID] = str(launcher or os.getpid())
     if folder:
-        env[dist.PROGRESS] = slot_path(folder, rank)
+        env[slots.PROGRESS] = slot_path(folder, rank)
     return env
 
 
@@ -141,7 +141,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
             with signals.holding():  # every process started is known before a signal is acted on
                 _tracker()
                 for rank in range(nprocs):
-                    dist.new_slot(slot_path(folder, rank))
+                    slots.new_slot(slot_path(folder, rank))
                     process = context.Process(target=_child, name=f"multicard rank {rank}",
                                               args=(rank, work, nprocs, server.port, folder, os.getpid()))
                     process.start()
@@ -211,7 +211,7 @@ def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
         _fail("usage", str(e))
     except Exception as e:
-        dist.failed(e)
+        slots.failed(e)
         _fail("trace", traceback.format_exc())
     if rank == 0:
         with open(os.path.join(folder, "result"), "wb") as f:
@@ -245,7 +245,7 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 
 def _fail(kind: str, text: str) -> None:
-    dist.tell_launcher(kind, text)
+    slots.tell_launcher(kind, text)
     sys.exit(1)
 
 
@@ -260,7 +260,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
-                    dist.new_slot(slot_path(folder, rank))
+                    slots.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
                                                                 **job_env(rank, nprocs, server.port, folder)},
                                                   preexec_fn=lambda: lifeline.die_with(parent)))

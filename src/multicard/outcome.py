@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import dist
+from . import dist, slots
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
 KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
@@ -51,7 +51,7 @@ def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[in
         for rank in done:
             running.discard(rank)
             if code(rank):
-                if dist.read_slot(slot_path(folder, rank))[2] != dist.LOST_PEER:
+                if slots.read_slot(slot_path(folder, rank))[2] != slots.LOST_PEER:
                     return rank
                 if failed is None:
                     failed, deadline = rank, time.monotonic() + PEER_S
@@ -64,8 +64,8 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
     """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
     running), and why: one stopped by a signal (a frozen process); else, where every other rank of the `world`
     timed out waiting too, none: they called different collectives; else the one whose progress is oldest."""
-    _, timeout, state = dist.read_slot(slot_path(folder, failed))
-    if state != dist.TIMED_OUT_STATE or not (others or world > 1):
+    _, timeout, state = slots.read_slot(slot_path(folder, failed))
+    if state != slots.TIMED_OUT_STATE or not (others or world > 1):
         return None
     stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
     if stopped:
@@ -76,7 +76,7 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
     elif not others:
         return None
     else:
-        last = {r: dist.read_slot(slot_path(folder, r))[0] for r in others}
+        last = {r: slots.read_slot(slot_path(folder, r))[0] for r in others}
         rank = min(last, key=lambda r: (last[r], r))
         why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
             "it made no progress at all"
@@ -89,7 +89,7 @@ def _waiting_too(failed: int, world: int, folder: str) -> str:
     started to wait about together); "" where one did not (it is the one that stopped making progress)."""
     others = [r for r in range(world) if r != failed]
     deadline = time.monotonic() + MISMATCH_S
-    while any(dist.read_slot(slot_path(folder, r))[2] != dist.TIMED_OUT_STATE for r in others):
+    while any(slots.read_slot(slot_path(folder, r))[2] != slots.TIMED_OUT_STATE for r in others):
         if time.monotonic() > deadline:
             return ""
         time.sleep(0.05)
@@ -130,7 +130,7 @@ def stop(processes: list, grace_s: float) -> None:
 
 
 def told(folder: str, rank: int) -> tuple[str, str]:
-    """What rank `rank` left in the job's folder of how it failed (dist.tell_launcher): (kind, text), or empty."""
+    """What rank `rank` left in the job's folder of how it failed (slots.tell_launcher): (kind, text), or empty."""
     try:
         with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
             return pickle.load(f)
