@@ -15,14 +15,14 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher
+from multicard import dist, launcher, outcome, slots
 from multicard.dist import Job
 from multicard.errors import UsageError
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
          "--quiet", "--no-augment"]
 JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", dist.PROGRESS)
+                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", slots.PROGRESS)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -236,29 +236,29 @@ def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
 @pytest.fixture
 def slot(tmp_path, monkeypatch):
     """This process as rank 0 of a job our launcher started: its progress file."""
-    path = launcher.slot_path(str(tmp_path), 0)
-    dist.new_slot(path)
-    monkeypatch.setenv(dist.PROGRESS, path)
-    monkeypatch.setattr(dist, "_slot", None)
+    path = outcome.slot_path(str(tmp_path), 0)
+    slots.new_slot(path)
+    monkeypatch.setenv(slots.PROGRESS, path)
+    monkeypatch.setattr(slots, "_slot", None)
     return path
 
 
 def test_progress_reaches_the_launcher(slot):
-    assert dist.read_slot(slot) == (0.0, 0.0, False)
+    assert slots.read_slot(slot) == (0.0, 0.0, 0.0)
     before = time.monotonic()
-    dist.progress()
-    last, _, timed_out = dist.read_slot(slot)
+    slots.progress()
+    last, _, timed_out = slots.read_slot(slot)
     assert before <= last <= time.monotonic() and not timed_out
-    dist.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
-    assert dist.read_slot(slot)[2]
+    slots.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert slots.read_slot(slot)[2]
 
 
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
-    monkeypatch.delenv(dist.PROGRESS, raising=False)
-    monkeypatch.setattr(dist, "_slot", None)
+    monkeypatch.delenv(slots.PROGRESS, raising=False)
+    monkeypatch.setattr(slots, "_slot", None)
     start = time.perf_counter()
     for _ in range(100_000):
-        dist.progress()
+        slots.progress()
     assert time.perf_counter() - start < 1  # about 0.2 us a call
 
 
@@ -267,27 +267,27 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for rank in range(3):
-            dist.new_slot(launcher.slot_path(folder, rank))
+            slots.new_slot(outcome.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
-            with open(launcher.slot_path(folder, rank), "r+b") as f:
-                f.write(dist.SLOT.pack(last, 5.0, 1.0 if timed_out else 0.0))
+            with open(outcome.slot_path(folder, rank), "r+b") as f:
+                f.write(slots.SLOT.pack(slots.MARK, last, 5.0, 1.0 if timed_out else 0.0))
 
         now = time.monotonic()
         show(0, now - 6)
         show(1, now - 1)
         show(2, now - 9)
         others = {1: sleepers[0].pid, 2: sleepers[1].pid}
-        assert launcher.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
+        assert outcome.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
         show(0, now - 6, timed_out=True)
-        rank, why = launcher.blame(0, others, folder)
+        rank, why = outcome.blame(0, others, folder)
         assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s; rank 0 "
                                             "timed out waiting for it after 5 s")
         os.kill(sleepers[0].pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5
         while stat(sleepers[0].pid)[0] != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert launcher.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
+        assert outcome.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
                                                         "rank 0 timed out waiting for it after 5 s)")
     finally:
         for sleeper in sleepers:
@@ -311,3 +311,75 @@ def test_a_rendezvous_names_who_is_missing(monkeypatch):
     with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{other}: rank 1 of 3 found no rank 0 "
                                               r"there within 1 s \(RANK/WORLD_SIZE"):
         dist.rendezvous(Job(1, 3, launcher="torchrun"), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["launcher", "rank"])
+def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
+    """SIGKILL to the launcher, or to one rank: its DataLoader workers and the resource tracker end too (the
+    workers are started by the ranks, the tracker lives while any of them holds its pipe). A worker still
+    starting (importing torch: seconds on 2 busy cores) ends once it has."""
+    run = runs(tmp_path / "out", "--workers", "2", ignore_sigint=True)
+    run.training()
+    deadline = time.monotonic() + 30
+    while len(group(run.pid)) < 1 + 2 + 2 * 2 and time.monotonic() < deadline:  # launcher, ranks, their workers
+        time.sleep(0.05)
+    assert len(group(run.pid)) >= 1 + 2 + 2 * 2
+    os.kill(run.pid if victim == "launcher" else run.workers()[1], signal.SIGKILL)
+    if victim == "rank":
+        code, err = run.end(30)
+        assert code != 0 and "rank 1 ended with signal SIGKILL" in err
+    assert gone(lambda: group(run.pid), 30)
+
+
+@pytest.mark.slow
+def test_torchrun_killed_outright_takes_its_ranks_along_and_publishes_nothing(tmp_path):
+    """torchrun's agent does not end its ranks when it is killed outright: they watch it, end within a second or
+    so, and rank 0 never shows its run in --out."""
+    out = tmp_path / "out"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "multicard", "train", *TRAIN[3:], "--out", str(out)], cwd=ROOT, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (ranks := [p for p in processes() if stat(p)[1] == str(agent.pid) and "multicard" in cmdline(p)
+                             and "torch.distributed.run" not in cmdline(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(ranks) == 2
+        while not list(out.glob(".run-*")) and time.monotonic() < deadline:  # rank 0 has begun its run
+            time.sleep(0.1)
+        os.kill(agent.pid, signal.SIGKILL)
+        assert gone(lambda: running(ranks), 15)
+        assert not (out / "model.pt").exists()
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.killpg(agent.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_restarted_under_max_restarts(tmp_path, runs):
+    """A rank stopped by SIGSTOP did not choose to stop (as one sent SIGINT or SIGTERM did): it is restarted."""
+    run = runs(tmp_path / "out", "--timeout", "5", "--max-restarts", "2")
+    run.training()
+    os.kill(run.workers()[1], signal.SIGSTOP)
+    deadline = time.monotonic() + 60
+    while "restart 1 of 2" not in (line := run.lines.get(timeout=max(0.0, deadline - time.monotonic()))):
+        pass
+    assert line.startswith("multicard: rank 1 failed; restart 1 of 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
+    """As a closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the launcher, its ranks and the resource tracker
+    at once: the tracker lives on (else each rank's cleanup starts a new one: a traceback per rank)."""
+    run = runs(tmp_path / "out")
+    run.training()
+    os.killpg(run.pid, getattr(signal, name))
+    code, err = run.end(30)
+    assert code == 128 + getattr(signal, name)
+    assert err.strip().splitlines() == [f"multicard: stopped by {name}; every rank was stopped"]
+    assert gone(lambda: group(run.pid), 5)

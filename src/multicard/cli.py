@@ -251,7 +251,11 @@ def entry() -> None:
     after torch has been imported tears down thousands of modules one by one, ~0.9 s of every command on 2 CPU
     cores (benchmarks/RESULTS.md); the exit handlers run and the streams are flushed first, and where a
     non-daemon thread is still running the exit is the usual one, which waits for it."""
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before main's own handling began (reading the command line, its imports)
+        print("multicard: interrupted", file=sys.stderr)
+        code = 130
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()

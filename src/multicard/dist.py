@@ -3,25 +3,22 @@ launcher how far this process got."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import socket
-import struct
-import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from . import lifeline
 from .errors import UsageError
+from .slots import hook_failures, progress, progress_slot, slot_timed_out
 
-PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
-SLOT = struct.Struct("3d")  # that file: last progress (time.monotonic()), the timeout, 1.0 once a wait timed out
-# how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
-TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
+LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # and here themselves: a process whose parent is not that one is no rank
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
-_slot: memoryview | list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,13 @@ class Job:
 def job_from_env(env=os.environ) -> Job:
     """Read the job's shape from the environment: a process started by torchrun has RANK set (nanoGPT's
     test), one started by srun has SLURM_PROCID and a step id. No flag asks the user to say so. A value that
-    cannot be right is one line now, not a rendezvous that waits for nobody."""
+    cannot be right is one line now, not a rendezvous that waits for nobody. A process that a rank started (a
+    `multicard train` inside a script under `multicard run`) inherits the job's variables but is none of its ranks:
+    it runs on its own."""
+    if inherited(env):
+        return Job()
+    if env is os.environ:
+        hook_failures()
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _number(env, "RANK", 0), _number(env, "WORLD_SIZE", 1)
         local_rank, local_world = _number(env, "LOCAL_RANK", 0, rank), _number(env, "LOCAL_WORLD_SIZE", 1, world)
@@ -48,6 +51,7 @@ def job_from_env(env=os.environ) -> Job:
         if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
             _below(env, ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world))
         _port(env)
+        _number(env, "TORCHELASTIC_RESTART_COUNT", 0, 0)
         return Job(rank, world, local_rank, local_world, env.get("MULTICARD_LAUNCHER", "torchrun"))
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and _number(env, "SLURM_NTASKS", 1, 1) > 1:
         rank, world = _number(env, "SLURM_PROCID", 0), _number(env, "SLURM_NTASKS", 1)
@@ -57,6 +61,13 @@ def job_from_env(env=os.environ) -> Job:
         return Job(rank, world, _number(env, "SLURM_LOCALID", 0, 0), int(per_node.group()) if per_node else 1,
                    "slurm")
     return Job()
+
+
+def inherited(env=os.environ) -> bool:
+    """Whether the job in `env` was started by multicard but not for this process: its launcher is not our
+    parent (a rank's own child, or a shell under it, finds the variables too)."""
+    return env.get("MULTICARD_LAUNCHER") == "multicard" and env.get(LAUNCHER_PID, str(os.getppid())) != \
+        str(os.getppid())
 
 
 def _number(env, name: str, least: int, default: int | None = None) -> int:
@@ -100,11 +111,12 @@ def _origin(env) -> str:
             "outside srun to run alone")
 
 
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07'."""
+def first_host(nodelist: str, name: str = "SLURM_JOB_NODELIST") -> str:
+    """The first host of a SLURM node list (`name` holds it): 'gpu[07-09,12],cpu1' -> 'gpu07'."""
     m = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", nodelist)
     if not m:
-        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+        raise UsageError(f"{name}={nodelist!r} in the environment: cannot read a host from it; set "
+                         f"MASTER_ADDR to the host of rank 0")
     return m.group(1) + (m.group(2) or "")
 
 
@@ -112,7 +124,8 @@ def rendezvous_env(env=os.environ) -> dict[str, str]:
     """MASTER_ADDR / MASTER_PORT for init_process_group, filled in from SLURM when srun did not set them."""
     out = {}
     if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-        out["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env["SLURM_JOB_NODELIST"]))
+        name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+        out["MASTER_ADDR"] = first_host(env[name], name)
     if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
         job_id = _number(env, "SLURM_JOB_ID", 0)
         out["MASTER_PORT"] = str(15000 + job_id % 20000)  # the same in every task of a job
@@ -128,25 +141,29 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
     """Join the job's process group. Collectives, and the rendezvous, wait at most `timeout_s` for the others."""
     import torch.distributed as dist
 
+    check_timeout(timeout_s)
     timeout = timedelta(seconds=timeout_s)
     if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
         dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    slot = _progress_slot()
+    lifeline.tie_forks()
+    if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
+        lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
+    slot = progress_slot()
     slot[1] = timeout_s
     progress()
-    if os.environ.get(PROGRESS):  # a rank that dies of a timeout says so to our launcher, which names the cause
-        previous = sys.excepthook
-
-        def hook(kind, error, trace):
-            failed(error)
-            previous(kind, error, trace)
-
-        sys.excepthook = hook
+    hook_failures()
     store = rendezvous(job, timeout_s)
     dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("default_pg", store), rank=job.rank,
                             world_size=job.world, timeout=timeout)
+
+
+def check_timeout(timeout_s: float) -> None:
+    """A timeout a job can keep: below MIN_TIMEOUT a healthy step is taken for a hang; past MAX_TIMEOUT the
+    system's clocks overflow."""
+    if not MIN_TIMEOUT <= timeout_s <= MAX_TIMEOUT:  # also refuses nan
+        raise UsageError(f"--timeout {timeout_s:g}: must be from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} seconds")
 
 
 def attempt() -> str:
@@ -172,7 +189,8 @@ def rendezvous(job: Job, timeout_s: float):
         holder = "the launcher's store" if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
         _wait_for_listener(addr, port, deadline, f"{where}: rank {job.rank} of {job.world} found no {holder} "
                                                  f"there within {timeout_s:g} s ({origin})")
-        store = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        store = _client(addr, port, deadline, f"{where}: rank {job.rank} of {job.world}: something listens there "
+                                              f"but does not answer as the job's store ({origin})")
     else:
         try:
             store = TCPStore(addr, port, job.world, is_master=True, timeout=timedelta(seconds=timeout_s),
@@ -189,14 +207,38 @@ def rendezvous(job: Job, timeout_s: float):
         while not joined.check(ranks):
             if time.monotonic() > deadline:
                 missing = [r for r in ranks if not joined.check([r])]
-                _slot_timed_out()
+                slot_timed_out()
                 raise UsageError(f"{where}: {job.world - len(missing)} of {job.world} processes joined within "
-                                 f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {_listed(missing)} "
+                                 f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {listed(missing)} "
                                  f"({origin})")
             time.sleep(JOINED)
     except DistError as e:  # the store went away: its holder ended (it gave up, or failed)
         raise UsageError(f"{where}: rank {job.rank} lost the store ({str(e).splitlines()[0]}); {origin}") from None
     return store
+
+
+def _client(addr: str, port: int, deadline: float, failure: str):
+    """A client of the store at addr:port, made within the deadline. torch's client waits for the store's answer
+    without a limit: something else listening there (a stale process, a web server) would hold it forever, so it
+    is made in a thread of its own that is left behind when the time is up."""
+    from torch.distributed import DistError, TCPStore
+
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(
+                1.0, deadline - time.monotonic()))))
+        except (DistError, RuntimeError, ValueError) as e:
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="multicard store client", daemon=True)
+    thread.start()
+    thread.join(max(1.0, deadline - time.monotonic()))
+    if not made or isinstance(made[0], Exception):
+        slot_timed_out()
+        raise UsageError(failure) from None
+    return made[0]
 
 
 def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> None:
@@ -210,65 +252,14 @@ def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> N
             raise UsageError(f"MASTER_ADDR={addr}: no such host") from None
         except OSError:
             if time.monotonic() > deadline:
-                _slot_timed_out()
+                slot_timed_out()
                 raise UsageError(failure) from None
             time.sleep(0.2)
 
 
-def _listed(items: list[str], most: int = 8) -> str:
+def listed(items: list[str], most: int = 8) -> str:
     shown = items[:most] + ([f"{len(items) - most} more"] if len(items) > most else [])
     return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
-
-
-# -- progress, for our launcher ------------------------------------------------------------------------------
-def progress() -> None:
-    """Say that this process moved on (a batch was served). Cheap enough for every batch: one store into
-    memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
-    When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
-    (_slot if _slot is not None else _progress_slot())[0] = time.monotonic()
-
-
-def failed(error: BaseException) -> None:
-    """A rank ends with `error`: when it is a wait that ran out of time, tell the launcher."""
-    if TIMED_OUT.search(str(error)):
-        _slot_timed_out()
-
-
-def _slot_timed_out() -> None:
-    _progress_slot()[2] = 1.0
-
-
-def _progress_slot() -> memoryview | list[float]:
-    """This rank's slot in the file our launcher made (MULTICARD_PROGRESS), mapped into memory; a plain list
-    (read by nobody) in any other process."""
-    global _slot
-    if _slot is None:
-        slot: memoryview | list[float] = [0.0, 0.0, 0.0]
-        path = os.environ.get(PROGRESS)
-        if path:
-            try:
-                with open(path, "r+b") as f:
-                    slot = memoryview(mmap.mmap(f.fileno(), SLOT.size)).cast("d")
-            except (OSError, ValueError):  # no such file, or too short: nobody to tell
-                pass
-        _slot = slot
-    return _slot
-
-
-def new_slot(path: str) -> None:
-    """For the launcher: the empty progress file of one rank (all zero: no progress yet)."""
-    with open(path, "wb") as f:
-        f.write(bytes(SLOT.size))
-
-
-def read_slot(path: str) -> tuple[float, float, bool]:
-    """For the launcher: (last progress, the rank's timeout, whether it timed out); (0, 0, False) if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            last, timeout, timed_out = SLOT.unpack(f.read(SLOT.size))
-    except (OSError, struct.error):
-        return 0.0, 0.0, False
-    return last, timeout, timed_out > 0
 
 
 def teardown() -> None:

@@ -23,30 +23,28 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import dist
+from . import dist, lifeline, slots
 from .errors import UsageError
+from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
 if TYPE_CHECKING:
     from .strategies import Strategy
 
-STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
-
-
 class RankFailed(Exception):
     """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
-    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal)."""
+    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal).
+    `meant`: someone stopped that rank on purpose (SIGINT or SIGTERM to it alone), so it is not restarted."""
 
-    def __init__(self, rank: int, trace: str):
+    def __init__(self, rank: int, trace: str, meant: bool = False):
         super().__init__(trace if said(rank, trace) else f"rank {rank} failed:\n{trace}")
-        self.rank, self.trace = rank, trace
+        self.rank, self.trace, self.meant = rank, trace, meant
 
     def __reduce__(self):
-        return RankFailed, (self.rank, self.trace)
+        return RankFailed, (self.rank, self.trace, self.meant)
 
 
 def said(rank: int, trace: str) -> bool:
@@ -77,19 +75,17 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str]:
-    """What a process of a job started here finds in its environment: torchrun's variables, the store, and
-    (given the job's folder) the file where it shows its progress."""
+def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 0) -> dict[str, str]:
+    """What a process of a job started here finds in its environment: torchrun's variables, the store, the
+    launcher's pid (a process whose parent it is not is no rank: see dist.inherited) and (given the job's folder)
+    the file where it shows its progress."""
     env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
+    env[dist.LAUNCHER_PID] = str(launcher or os.getpid())
     if folder:
-        env[dist.PROGRESS] = slot_path(folder, rank)
+        env[slots.PROGRESS] = slot_path(folder, rank)
     return env
-
-
-def slot_path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"progress-{rank}")
 
 
 class Signals:
@@ -141,49 +137,47 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
     processes: list = []
     with Signals() as signals:
         try:
+            work = pickle.dumps((fn, args))  # opened in each process as _child says (not before it starts)
             with signals.holding():  # every process started is known before a signal is acted on
+                _tracker()
                 for rank in range(nprocs):
-                    dist.new_slot(slot_path(folder, rank))
+                    slots.new_slot(slot_path(folder, rank))
                     process = context.Process(target=_child, name=f"multicard rank {rank}",
-                                              args=(rank, fn, args, nprocs, server.port, folder, os.getpid()))
+                                              args=(rank, work, nprocs, server.port, folder, os.getpid()))
                     process.start()
                     processes.append(process)
-            failed = _first_failure(processes)
+            failed = first_failure_of(processes, folder)
             if failed is None:
                 with open(os.path.join(folder, "result"), "rb") as f:
                     return pickle.load(f)
             raise _failure(failed, processes, folder)
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
-            _stop(processes, grace_s)
+            stop(processes, grace_s)
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _first_failure(processes: list) -> int | None:
-    """Wait until every process ended well (None), or one failed: its rank."""
-    from multiprocessing.connection import wait
+def _tracker() -> None:
+    """Start multiprocessing's resource tracker (the job's processes share it) with SIGHUP blocked, as it blocks
+    SIGINT and SIGTERM itself: SIGHUP to the job's process group would end it, and every rank's cleanup would
+    then start a new one that knows none of their semaphores (a traceback per rank)."""
+    from multiprocessing import resource_tracker
 
-    running = {p.sentinel: rank for rank, p in enumerate(processes)}
-    while running:
-        for sentinel in wait(list(running)):
-            rank = running.pop(sentinel)
-            processes[rank].join()
-            if processes[rank].exitcode:
-                return rank
-    return None
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _failure(rank: int, processes: list, folder: str) -> Exception:
     """What to raise for the failed `rank`: what it said of itself, else the rank it timed out waiting for,
     else its bad input, its traceback, or how it ended."""
-    try:
-        with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
-            kind, text = pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        kind, text = "", ""
-    if kind == "said":
-        return RankFailed(rank, text)
-    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder)
+    kind, text = told(folder, rank)
+    if kind == "said":  # it was interrupted or stopped, by a signal to it alone
+        return RankFailed(rank, text, meant=True)
+    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder,
+                   len(processes))
     if blamed:
         return RankFailed(*blamed)
     if kind == "usage":
@@ -197,74 +191,45 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def blame(failed: int, others: dict[int, int], folder: str) -> tuple[int, str] | None:
-    """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
-    running), and why: one stopped by a signal (a frozen process), else the one whose progress is oldest."""
-    _, timeout, timed_out = dist.read_slot(slot_path(folder, failed))
-    if not timed_out or not others:
-        return None
-    stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
-    if stopped:
-        rank, why = stopped[0], "it was stopped by a signal"
-    else:
-        last = {r: dist.read_slot(slot_path(folder, r))[0] for r in others}
-        rank = min(last, key=lambda r: (last[r], r))
-        why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
-            "it made no progress at all"
-    return rank, (f"rank {rank} stopped making progress ({why}; rank {failed} timed out waiting for it after "
-                  f"{timeout:g} s)")
-
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (T: stopped by a signal, t: by a debugger); '?' where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _stop(processes: list, grace_s: float) -> None:
-    """SIGTERM to every process still running (and SIGCONT: a stopped one must wake up to act on it), SIGKILL
-    to any still there after grace_s. One that ends on SIGTERM cleans up after itself: nothing it made (its
-    semaphores) is left for the resource tracker to warn about."""
-    alive = [p for p in processes if p.is_alive()]
-    for p in alive:
-        with contextlib.suppress(ProcessLookupError):
-            p.terminate()
-            os.kill(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + grace_s
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-    for p in processes:
-        p.join()
-
-
-def _child(rank: int, fn: Callable, args: tuple, nprocs: int, port: int, folder: str, launcher: int) -> None:
-    """The body of a spawned process: fn(*args), and what became of it left in the job's folder."""
-    _die_with(launcher)  # first of all: a launcher that is gone already, or goes later, takes this process along
+def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher: int) -> None:
+    """The body of a spawned process: fn(*args) (pickled in `work`), and what became of it left in the job's
+    folder."""
+    lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _raise_stopped)
-    os.environ.update(job_env(rank, nprocs, port, folder))
+    os.environ.update(job_env(rank, nprocs, port, folder, launcher))
+    fn, args = _unpickled(work, rank, folder)
     try:
         out = fn(*args)
         if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
             raise KeyboardInterrupt if _signalled[0] == signal.SIGINT else Stopped(_signalled[0])
     except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
-        _fail(folder, rank, "said", f"rank {rank} was interrupted (SIGINT)")
+        _fail("said", f"rank {rank} was interrupted (SIGINT)")
     except Stopped as e:
-        _fail(folder, rank, "said", f"rank {rank} was stopped by {e}")
+        _fail("said", f"rank {rank} was stopped by {e}")
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
-        _fail(folder, rank, "usage", str(e))
+        _fail("usage", str(e))
     except Exception as e:
-        dist.failed(e)
-        _fail(folder, rank, "trace", traceback.format_exc())
+        slots.failed(e)
+        _fail("trace", traceback.format_exc())
     if rank == 0:
         with open(os.path.join(folder, "result"), "wb") as f:
             pickle.dump(out, f)
+
+
+def _unpickled(work: bytes, rank: int, folder: str) -> tuple[Callable, tuple]:
+    """fn and its arguments. The modules they come from are imported here as modules: with no command line (the
+    launcher's flags are not theirs: a top-level argparse would refuse them), and one that ends the program when
+    imported fails the job in a line."""
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return pickle.loads(work)
+    except SystemExit as e:
+        _fail("usage", f"importing what rank {rank} runs ended the program (exit {e.code}): a module "
+                                     f"that runs a script at import? put that under `if __name__ == \"__main__\":`")
+    finally:
+        sys.argv = argv
 
 
 _signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
@@ -272,14 +237,15 @@ _signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGT
 
 def _raise_stopped(signum: int, frame: Any) -> None:
     _signalled.append(signum)
+    if len(_signalled) > 1:  # a second signal (SIGHUP to the group, then SIGTERM from the launcher): the cleanup
+        return  # the first began goes on (the launcher's SIGKILL still bounds it)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Stopped(signum)
 
 
-def _fail(folder: str, rank: int, kind: str, text: str) -> None:
-    with open(os.path.join(folder, f"error-{rank}"), "wb") as f:
-        pickle.dump((kind, text), f)
+def _fail(kind: str, text: str) -> None:
+    slots.tell_launcher(kind, text)
     sys.exit(1)
 
 
@@ -294,15 +260,20 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
-                    dist.new_slot(slot_path(folder, rank))
+                    slots.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
                                                                 **job_env(rank, nprocs, server.port, folder)},
-                                                  preexec_fn=lambda: _die_with(parent)))
-            failed = first_failure(procs)
+                                                  preexec_fn=lambda: lifeline.die_with(parent)))
+            failed = first_failure(procs, folder)
             if failed is None:
                 return 0
             rank, code = failed
-            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder)
+            kind, text = told(folder, rank)
+            if kind == "usage":  # the same bad input on every rank: said once
+                print(f"multicard: error: {text}", file=sys.stderr)
+                return 2
+            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder,
+                           nprocs)
             if blamed:
                 print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)
             else:
@@ -317,60 +288,6 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             terminate(procs)
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    """Wait until every process ended well (None), or one failed: (its rank, its exit code)."""
-    running = set(range(len(procs)))
-    while running:
-        _wait_for_any_child()
-        for rank in sorted(running):
-            code = procs[rank].poll()
-            if code is not None:
-                running.discard(rank)
-                if code != 0:
-                    return rank, code
-    return None
-
-
-def _wait_for_any_child() -> None:
-    """Block until some child has ended (left for poll() to collect), so the first to fail is the one seen."""
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-    except (AttributeError, ChildProcessError):  # no waitid here, or no child left to wait for
-        time.sleep(0.05)
-    else:
-        time.sleep(0.01)  # a child this loop does not own would be seen again at once: never spin
-
-
-def terminate(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
-    STOP_GRACE_S."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.terminate()
-                os.kill(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _die_with(parent: int) -> None:
-    """In a child, before it does anything: the kernel kills it when its launcher dies, whatever the cause
-    (Linux), and one whose launcher died already ends now."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 def relaunch(strategy: Strategy) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from . import checkpoint
+from . import checkpoint, lifeline
 from .config import TrainConfig, idle
 from .data.loaders import on_card
 from .errors import UsageError
@@ -106,8 +106,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
         except RankFailed as e:
             output.discard(run)
             # a process stopped on purpose (Ctrl-C or SIGTERM to it alone) is not restarted: someone meant it
-            meant = said(e.rank, e.trace) and ("interrupted" in e.trace or "was stopped by" in e.trace)
-            if restarts >= config.max_restarts or meant:
+            if restarts >= config.max_restarts or e.meant:
                 if not restarts:
                     raise
                 spent = f"after {restarts} restart{'s' * (restarts != 1)}"
@@ -123,6 +122,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
                 output.discard(run)
             raise
         if output is not None:
+            lifeline.end_if_orphaned(mc.job.rank)  # a rank whose launcher is gone never publishes
             output.publish(run)
             if not config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
                 shown = [*FILES, *(name for name in OPTIONAL if (output.path / name).exists())]

@@ -51,6 +51,7 @@ def cache_dir(name: str) -> Path:
 # Most images (and labels) one file may claim: ~67x MNIST's 60000, 3.1 GB of pixels (12.5 GB once normalized to
 # float32). The header is checked against it before anything is read, so a few bytes cannot claim terabytes.
 MAX_ITEMS = 4_000_000
+HELD = {IMAGES_MAGIC: 5, LABELS_MAGIC: 9}  # bytes held per item byte once read: uint8, then float32 / int64 copies
 CHUNK = 1 << 20  # read 1 MiB at a time, so a .gz never holds much more than the array it fills
 LEFTOVER = 1 << 16  # bytes past the promised end counted before giving up: a .gz can expand to GBs more
 
@@ -66,6 +67,9 @@ def read_idx(path: Path, magic: int) -> np.ndarray:
             shape = read_header(f, path, magic)
             if not gzipped and (size := os.fstat(plain.fileno()).st_size) != idx_size(shape):
                 raise wrong_size(path, shape, size)  # a plain file's size is known without reading it
+            # the memory is only promised here (pages are taken as the stream fills them, and a stream shorter
+            # than its header is refused when it ends), but the data a true header brings must fit
+            fits(path, shape, math.prod(shape) * HELD[magic])
             try:
                 array = np.empty(shape, np.uint8)
             except MemoryError:
@@ -100,6 +104,27 @@ def read_header(f: BinaryIO, path: Path, magic: int) -> tuple[int, ...]:
         raise UsageError(f"{path}: header claims {shape[0]} {kind}, more than the {MAX_ITEMS} this reader takes "
                          f"(MNIST has 60000)")
     return shape
+
+
+def fits(path: Path, shape: tuple[int, ...], need: int) -> None:
+    """Refuse, before anything is allocated, a file whose data would not fit in the memory available now: it
+    would be read for minutes and then end in the system's out-of-memory killer, without a word."""
+    free = available_memory()
+    if free is not None and need > free:
+        raise UsageError(f"{path}: its header {shape} needs {need / 2**30:.2f} GiB of memory once read, more than "
+                         f"the {free / 2**30:.2f} GiB available")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def idx_size(shape: tuple[int, ...]) -> int:

@@ -21,6 +21,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from .. import lifeline
 from ..dist import progress
 from ..errors import UsageError
 from .images import ImageData
@@ -259,6 +260,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if whole_batches and (device_data or loader.num_workers == 0):
         return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
     kept = {name: getattr(loader, name) for name in KEPT}
+    kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn)  # workers end with this process
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
         inner = DataLoader(dataset, batch_size=None, sampler=BatchSampler(order, local, drop_last=False), **kept)
     else:

@@ -51,6 +51,9 @@ def find(spec: str) -> Callable[[], nn.Module]:
     """Import `file.py:Name` or `package.module:Name`. A file is imported as a module named after it, from its
     folder (put first on sys.path), so that processes spawned later find its classes the same way."""
     where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise UsageError(f"--model {spec}: name both the file (or module) and the class, as file.py:Class or "
+                         f"package.module:Class")
     if where.endswith(".py"):
         path = Path(where).resolve()
         if not path.is_file():
@@ -62,13 +65,25 @@ def find(spec: str) -> Callable[[], nn.Module]:
         sys.path.insert(0, str(path.parent))
     else:
         module_name = where
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(f"--model {spec}: cannot import {where} ({e})") from None
+    module = _import(spec, where, module_name)
     if not hasattr(module, attr):
         raise UsageError(f"--model {spec}: {where} has no {attr}")
     return getattr(module, attr)
+
+
+def _import(spec: str, where: str, module_name: str):
+    """Import the module that holds the model, as a module: it sees no command line of ours (a script's top-level
+    argparse would read multicard's flags), and one that ends the program when imported is refused in a line."""
+    argv, sys.argv = sys.argv, [where]
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"--model {spec}: cannot import {where} ({e})") from None
+    except SystemExit as e:
+        raise UsageError(f"--model {spec}: importing {where} ended the program (exit {e.code}); run its script part "
+                         f"only under `if __name__ == \"__main__\":`") from None
+    finally:
+        sys.argv = argv
 
 
 __all__ = ["MODELS", "LeNet5", "ResNet8", "WideMLP", "build", "register"]

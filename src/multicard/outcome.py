@@ -1,0 +1,194 @@
+"""How a job's processes end: wait for them, name the rank whose failure ended the job (not a rank that only
+lost it, nor the victim of a frozen one), and stop the rest within a bound, however they resist."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from . import dist, slots
+
+STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
+KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
+MISMATCH_S = 2  # a rank timed out waiting: how long the others get to time out too (then none stopped: a mismatch)
+PEER_S = 3  # a rank that failed because another was lost: how long the others get to say they failed first
+
+
+def slot_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"progress-{rank}")
+
+
+def first_failure_of(processes: list, folder: str) -> int | None:
+    """Wait until every process ended well (None), or one failed: its rank (see first_to_fail)."""
+    from multiprocessing.connection import wait
+
+    sentinels = {p.sentinel: rank for rank, p in enumerate(processes)}
+
+    def ended(running: set[int], timeout: float | None) -> list[int]:
+        ready = [sentinels[s] for s in wait([processes[r].sentinel for r in running], timeout)]
+        for rank in ready:
+            processes[rank].join()
+        return ready
+
+    return first_to_fail(len(processes), ended, lambda rank: processes[rank].exitcode, folder)
+
+
+def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[int]], code: Callable[[int], int],
+                  folder: str) -> int | None:
+    """The rank whose failure ended the job (None: all ended well). `ended(running, timeout)` waits for ranks to
+    end (the first to end first). A rank that failed because another was lost (its peer closed the connection)
+    is not the cause: the others get PEER_S to fail on their own, and the first of those is named."""
+    running, failed, deadline = set(range(nprocs)), None, None
+    while running:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done = ended(running, timeout)
+        for rank in done:
+            running.discard(rank)
+            if code(rank):
+                if slots.read_slot(slot_path(folder, rank))[2] != slots.LOST_PEER:
+                    return rank
+                if failed is None:
+                    failed, deadline = rank, time.monotonic() + PEER_S
+        if deadline is not None and not done and time.monotonic() >= deadline:
+            break
+    return failed
+
+
+def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> tuple[int, str] | None:
+    """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
+    running), and why: one stopped by a signal (a frozen process); else, where every other rank of the `world`
+    timed out waiting too, none: they called different collectives; else the one whose progress is oldest."""
+    _, timeout, state = slots.read_slot(slot_path(folder, failed))
+    if state != slots.TIMED_OUT_STATE or not (others or world > 1):
+        return None
+    stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
+    if stopped:
+        rank, why = stopped[0], "it was stopped by a signal"
+    elif world > 1 and (waiting := _waiting_too(failed, world, folder)):
+        return failed, (f"rank {failed} timed out waiting for {waiting} after {timeout:g} s, and {waiting} for it: "
+                        f"the ranks called different collectives (or the same ones in another order)")
+    elif not others:
+        return None
+    else:
+        last = {r: slots.read_slot(slot_path(folder, r))[0] for r in others}
+        rank = min(last, key=lambda r: (last[r], r))
+        why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
+            "it made no progress at all"
+    return rank, (f"rank {rank} stopped making progress ({why}; rank {failed} timed out waiting for it after "
+                  f"{timeout:g} s)")
+
+
+def _waiting_too(failed: int, world: int, folder: str) -> str:
+    """"rank 1" or "ranks 1 and 2": every rank but `failed`, where each timed out waiting within MISMATCH_S (they
+    started to wait about together); "" where one did not (it is the one that stopped making progress)."""
+    others = [r for r in range(world) if r != failed]
+    deadline = time.monotonic() + MISMATCH_S
+    while any(slots.read_slot(slot_path(folder, r))[2] != slots.TIMED_OUT_STATE for r in others):
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.05)
+    return f"rank{'s' * (len(others) > 1)} {dist.listed([str(r) for r in others])}"
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped by a signal, t: by a debugger); '?' where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def stop(processes: list, grace_s: float) -> None:
+    """SIGTERM to every process still running (and SIGCONT: a stopped one must wake up to act on it), SIGKILL
+    to any still there after grace_s. One that ends on SIGTERM cleans up after itself: nothing it made (its
+    semaphores) is left for the resource tracker to warn about."""
+    import multiprocessing.process
+
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+            os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    deadline = time.monotonic() + KILLED_S
+    for rank, p in enumerate(processes):
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            _left_behind(rank, p.pid)
+            multiprocessing.process._children.discard(p)  # else Python's exit would wait for it without limit
+
+
+def told(folder: str, rank: int) -> tuple[str, str]:
+    """What rank `rank` left in the job's folder of how it failed (slots.tell_launcher): (kind, text), or empty."""
+    try:
+        with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
+            return pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return "", ""
+
+
+def first_failure(procs: list[subprocess.Popen], folder: str) -> tuple[int, int] | None:
+    """Wait until every process ended well (None), or one failed: (its rank, its exit code)."""
+    ranks = {p.pid: rank for rank, p in enumerate(procs)}
+
+    def ended(running: set[int], timeout: float | None) -> list[int]:
+        pid = None
+        if timeout is None:
+            pid = _wait_for_any_child()
+        else:
+            time.sleep(min(timeout, 0.05))
+        # the child the system reported first: with several ended, the order of the ranks is not theirs
+        order = sorted(running, key=lambda rank: (rank != ranks.get(pid), rank))
+        return [rank for rank in order if procs[rank].poll() is not None]
+
+    rank = first_to_fail(len(procs), ended, lambda rank: procs[rank].returncode, folder)
+    return None if rank is None else (rank, procs[rank].returncode)
+
+
+def _wait_for_any_child() -> int | None:
+    """Block until some child has ended (left for poll() to collect): its pid."""
+    try:
+        pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
+    except (AttributeError, ChildProcessError):  # no waitid here, or no child left to wait for
+        time.sleep(0.05)
+        return None
+    time.sleep(0.01)  # a child this loop does not own would be seen again at once: never spin
+    return pid
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
+    STOP_GRACE_S."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+                os.kill(p.pid, signal.SIGCONT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    deadline = time.monotonic() + KILLED_S
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _left_behind(rank, p.pid)
+
+
+def _left_behind(rank: int, pid: int) -> None:
+    print(f"multicard: rank {rank} (pid {pid}) did not end on SIGKILL: it is frozen in the kernel (a cgroup "
+          f"freezer?) and ends once thawed; not waiting for it", file=sys.stderr)

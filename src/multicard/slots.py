@@ -1,0 +1,143 @@
+"""A rank's progress slot: a small file our launcher makes for each rank, mapped into the rank's memory, where
+the rank shows how far it got and how it failed; the launcher reads it to name the rank to blame."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import re
+import stat
+import struct
+import sys
+import time
+
+from .errors import UsageError
+
+PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
+# that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
+# and how the rank failed (0, TIMED_OUT_STATE or LOST_PEER)
+SLOT = struct.Struct("8s3d")
+MARK = b"mcslot1\n"
+# how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
+TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
+# how a wait reads that ended because another process went away (gloo, the store, NCCL): not the cause
+LOST = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|remote process exit")
+TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how a rank failed
+
+_slot: memoryview | list[float] | None = None
+_hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
+
+
+def progress() -> None:
+    """Say that this process moved on (a batch was served). Cheap enough for every batch: one store into
+    memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
+    When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
+    (_slot if _slot is not None else progress_slot())[0] = time.monotonic()
+
+
+def failed(error: BaseException) -> None:
+    """A rank ends with `error`: when it is a wait that ran out of time, or one that lost another process, tell
+    the launcher (which then looks for the cause elsewhere)."""
+    if TIMED_OUT.search(str(error)):
+        slot_timed_out()
+    elif LOST.search(str(error)):
+        progress_slot()[2] = LOST_PEER
+
+
+def lost_peer(error: BaseException) -> bool:
+    return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
+
+
+def hook_failures() -> None:
+    """In a rank of a job our launcher started, an error that ends it is told to the launcher, which says once
+    what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
+    another rank lost (that rank is the one to name: here, one line instead of gloo's traceback)."""
+    global _hooked
+    if _hooked or not isinstance(progress_slot(), memoryview):
+        return
+    _hooked, previous = True, sys.excepthook
+
+    def hook(kind, error, trace):
+        failed(error)
+        if isinstance(error, UsageError):
+            tell_launcher("usage", str(error))
+        elif lost_peer(error):
+            print(f"multicard: rank {os.environ.get('RANK')} lost another rank ({LOST.search(str(error)).group()})",
+                  file=sys.stderr)
+        else:
+            previous(kind, error, trace)
+
+    sys.excepthook = hook
+
+
+def tell_launcher(kind: str, text: str) -> None:
+    """Leave in the job's folder how this rank failed ("usage", "said" or "trace"), for our launcher to say."""
+    path = os.path.join(os.path.dirname(os.environ[PROGRESS]), f"error-{os.environ.get('RANK', '0')}")
+    with open(path, "wb") as f:
+        pickle.dump((kind, text), f)
+
+
+def slot_timed_out() -> None:
+    progress_slot()[2] = TIMED_OUT_STATE
+
+
+def progress_slot() -> memoryview | list[float]:
+    """This rank's slot in the file our launcher made (MULTICARD_PROGRESS), mapped into memory; a plain list
+    (read by nobody) in any other process, and where the variable names a file that is not such a slot: the
+    variable alone never makes this process write into a file."""
+    global _slot
+    if _slot is None:
+        slot: memoryview | list[float] = [0.0, 0.0, 0.0]
+        path = os.environ.get(PROGRESS)
+        if path and not _inherited():
+            mapped = _map_slot(path)
+            if mapped is None:
+                print(f"multicard: {PROGRESS}={path} is not a progress file a multicard launcher made; ignored",
+                      file=sys.stderr)
+            slot = slot if mapped is None else mapped
+        _slot = slot
+    return _slot
+
+
+def _map_slot(path: str) -> memoryview | None:
+    """The slot's numbers in `path`, mapped: only a plain file of this user's, of the slot's size, that starts
+    with the mark (no link followed); None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != SLOT.size or info.st_uid != os.getuid() or \
+                os.pread(fd, len(MARK), 0) != MARK:
+            return None
+        return memoryview(mmap.mmap(fd, SLOT.size))[len(MARK):].cast("d")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def new_slot(path: str) -> None:
+    """For the launcher: the empty progress file of one rank (the mark, then zeros: no progress yet)."""
+    with open(path, "xb") as f:
+        f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0))
+
+
+def read_slot(path: str) -> tuple[float, float, float]:
+    """For the launcher: (last progress, the rank's timeout, how it failed: 0, TIMED_OUT_STATE or LOST_PEER);
+    zeros if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            _, last, timeout, state = SLOT.unpack(f.read(SLOT.size))
+    except (OSError, struct.error):
+        return 0.0, 0.0, 0.0
+    return last, timeout, state
+
+
+def _inherited() -> bool:
+    from .dist import inherited  # dist reads the job from the environment, and imports this module
+
+    return inherited()
+
