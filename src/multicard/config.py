@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from .dist import check_timeout
 from .errors import UsageError
 from .observe import need_tensorboard
 
@@ -161,8 +162,8 @@ class TrainConfig:
                                    ("--max-restarts", self.max_restarts, 0)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
-        for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma),
-                            ("--timeout", self.timeout)):
+        check_timeout(self.timeout)
+        for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma)):
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
         for flag, value in (("--weight-decay", self.weight_decay), ("--clip-grad-norm", self.clip_grad_norm),

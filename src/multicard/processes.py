@@ -12,7 +12,7 @@ from torch import nn
 
 from . import strategies
 from .devices import select
-from .dist import Job
+from .dist import Job, check_timeout
 from .errors import UsageError
 from .precision import PRECISIONS
 from .strategies import Strategy
@@ -31,8 +31,7 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
         # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
         devices = os.environ.get("MULTICARD_DEVICES", devices) if job.launcher == "multicard" else devices
         strategy = strategies.create(strategy, select(devices), job, find_unused_parameters)
-    if not 0 < timeout < float("inf"):
-        raise UsageError(f"timeout {timeout}: must be a positive number of seconds")
+    check_timeout(timeout)  # before any process starts: not once each rank joins
     strategy.timeout_s = timeout
     if getattr(strategy, "sharded", False):
         if precision == "fp16":
