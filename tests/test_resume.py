@@ -104,16 +104,17 @@ def test_resuming_on_three_processes_continues_the_same_data_order(tmp_path):
 
 
 class DiesOnce(LeNet5):
-    """Rank 1 kills itself (SIGKILL: no traceback, no cleanup) at its 7th training batch, on the first attempt."""
+    """Rank 1 kills itself (SIGKILL: no traceback, no cleanup) at its `at`-th training batch, on the first attempt
+    (the one that finds no `marker`)."""
 
-    def __init__(self, marker: str):
+    def __init__(self, marker: str, at: int = 7):
         super().__init__()
-        self.marker, self.batches = marker, 0
+        self.marker, self.at, self.batches = marker, at, 0
 
     def forward(self, x):
         if self.training and os.environ.get("RANK") == "1":
             self.batches += 1
-            if self.batches == 7 and not os.path.exists(self.marker):
+            if self.batches == self.at and not os.path.exists(self.marker):
                 Path(self.marker).touch()
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().forward(x)

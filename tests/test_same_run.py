@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -23,6 +22,7 @@ from conftest import cuda, sharded, tiny_images
 from multicard.data.images import ImageData
 from multicard.launcher import RankFailed
 from multicard.models import LeNet5
+from test_resume import DiesOnce
 
 # 96 samples, a global batch of 24 (splits over 1, 2 and 3 processes and into 4 micro-batches): 4 steps an epoch
 RECIPE = dict(quiet=True, batch_size=24, epochs=2)
@@ -101,29 +101,13 @@ def test_the_number_of_processes_does_not_change_the_weights(one, tmp_path, proc
     assert apart(one, run(tmp_path, strategy="ddp", devices=f"cpu:{processes}")) <= ROUNDING
 
 
-class Killed(LeNet5):
-    """Rank 1 kills itself (SIGKILL: no cleanup) at its 6th training batch, mid-epoch 2, unless `marker` exists."""
-
-    def __init__(self, marker: str):
-        super().__init__()
-        self.marker, self.batches = marker, 0
-
-    def forward(self, x):
-        if self.training and os.environ.get("RANK") == "1":
-            self.batches += 1
-            if self.batches == 6 and not os.path.exists(self.marker):
-                Path(self.marker).touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-        return super().forward(x)
-
-
 @pytest.mark.slow
 def test_a_run_killed_on_two_processes_and_resumed_on_three_ends_the_same(one, tmp_path):
     out, marker = tmp_path / "run", str(tmp_path / "killed")
     with pytest.raises(RankFailed):
-        run(out, partial(Killed, marker), strategy="ddp", devices="cpu:2", save_every_steps=1)
+        run(out, partial(DiesOnce, marker, at=6), strategy="ddp", devices="cpu:2", save_every_steps=1)
     assert os.path.exists(marker)
-    resumed = run(out, partial(Killed, marker), strategy="ddp", devices="cpu:3", resume="auto")
+    resumed = run(out, partial(DiesOnce, marker, at=6), strategy="ddp", devices="cpu:3", resume="auto")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 3 and summary["resumed_from"].endswith("step-00000005/state.pt")
     assert apart(one, resumed) <= ROUNDING
