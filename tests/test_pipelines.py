@@ -1,0 +1,152 @@
+"""A user's script, bit for bit: the plain DataLoader's own data order and random draws on one process, the same
+steps on N; pipelines read whole by every process (iterables, batch samplers, hand-made batches); random tensors
+drawn globally and cut into parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, TensorDataset
+
+import multicard
+from multicard.parts import part, samples
+
+
+class Pairs(Dataset):
+    """A map-style dataset that is not a TensorDataset: the set-up loader takes the DataLoader path."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Stream(IterableDataset):
+    """An iterable of (x, y) samples, the same in every process."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return zip(self.x, self.y, strict=True)
+
+
+def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(120, 4, generator=g)
+    return x, x @ torch.tensor([[1.5], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(120, 1, generator=g)
+
+
+def make_loader(kind: str, generator: bool) -> DataLoader:
+    x, y = regression_data()
+    g = torch.Generator().manual_seed(42) if generator else None
+    if kind == "tensors":
+        return DataLoader(TensorDataset(x, y), 24, shuffle=True, generator=g)
+    if kind == "samples":
+        return DataLoader(Pairs(x, y), 24, shuffle=True, generator=g)
+    if kind == "iterable":
+        return DataLoader(Stream(x, y), 24)
+    if kind == "batch_sampler":  # batches of varying size, drawn by the user's sampler
+        sizes = BatchSampler(RandomSampler(range(120), generator=g), 30, drop_last=False)
+        return DataLoader(Pairs(x, y), batch_sampler=sizes, generator=g)
+    sampler = BatchSampler(RandomSampler(range(120), generator=g), 24, drop_last=False)  # batch_size=None
+    return DataLoader(TensorDataset(x, y), batch_size=None, sampler=sampler, generator=g)
+
+
+def regression(mc: multicard.Multicard | None, kind: str, generator: bool, epochs: int = 3) -> dict:
+    """The plain loop (mc None), or the same loop with multicard's lines; what it ends with."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(kind, generator)
+    if mc is not None:
+        model, optimizer = mc.setup(model, optimizer)
+        loader = mc.setup_dataloader(loader)
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            mc.backward(loss) if mc is not None else loss.backward()
+            optimizer.step()
+            steps += 1
+    weights = (mc.unwrap(model) if mc is not None else model).state_dict()
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "steps": steps,
+            "rng": torch.get_rng_state(), "after": torch.rand(3)}
+
+
+def ddp_regression(mc: multicard.Multicard, kind: str, generator: bool) -> dict:
+    if not generator:
+        torch.manual_seed(100 + mc.rank)  # a script whose processes' global RNGs differ: still one order
+    return regression(mc, kind, generator)
+
+
+@pytest.mark.parametrize("kind", ["tensors", "samples", "iterable", "batch_sampler", "batch_none"])
+@pytest.mark.parametrize("generator", [True, False], ids=["generator", "global-rng"])
+def test_one_process_ends_bit_identical_to_the_plain_script(kind, generator):
+    plain = regression(None, kind, generator)
+    ours = regression(multicard.Multicard("single", "cpu"), kind, generator)
+    assert all(torch.equal(plain["weights"][k], ours["weights"][k]) for k in plain["weights"])
+    assert plain["steps"] == ours["steps"] and torch.equal(plain["rng"], ours["rng"])  # the global RNG where the
+    assert torch.equal(plain["after"], ours["after"])  # plain script leaves it: what it draws next is the same
+
+
+def test_the_users_generator_is_the_one_consumed():
+    plain, loader = DataLoader(range(10), 4, shuffle=True, generator=torch.Generator().manual_seed(1)), None
+    served = [b.tolist() for b in plain]
+    mc = multicard.Multicard("single", "cpu")
+    loader = mc.setup_dataloader(DataLoader(range(10), 4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    assert [b.tolist() for b in loader] == served
+    assert torch.equal(loader.generator.get_state(), plain.generator.get_state())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind, generator", [("tensors", True), ("samples", False), ("iterable", True),
+                                             ("batch_sampler", True)])
+def test_n_processes_take_the_steps_of_the_plain_script(world, kind, generator):
+    if generator is False:
+        torch.manual_seed(100)  # as rank 0 seeds: rank 0's draw is the order every process deals out
+    plain = regression(None, kind, generator)
+    ours = multicard.launch(ddp_regression, kind, generator, strategy="ddp", devices=f"cpu:{world}")
+    assert ours["steps"] == plain["steps"]
+    for name, value in plain["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, rtol=0, atol=1e-6)
+
+
+def test_a_short_last_batch_with_fewer_samples_than_processes_is_left_out():
+    batches = DataLoader(Stream(*regression_data()), 7)  # 17 batches of 7, then one of 1
+    mc = multicard.Multicard("single", "cpu")
+    assert [len(x) for x, _ in mc.setup_dataloader(batches)][-2:] == [7, 1]
+    from multicard.data.pipelines import Split
+
+    parts = [[len(x) for x, _ in Split(batches, rank, 2)] for rank in range(2)]
+    assert parts == [[4] * 17, [3] * 17]
+
+
+def test_part_cuts_every_field_of_a_batch_contiguously():
+    batch = {"x": torch.arange(10).view(5, 2), "words": ["a", "b", "c", "d", "e"], "pair": (torch.arange(5), "k")}
+    first, second = part(batch, 0, 2), part(batch, 1, 2)
+    assert first["x"].tolist() == [[0, 1], [2, 3], [4, 5]] and second["words"] == ["d", "e"]
+    assert first["pair"][0].tolist() == [0, 1, 2] and second["pair"][1] == "k"
+    assert samples(batch) == 5 and samples(("a", "b")) == 2
+    columns = torch.arange(12).view(3, 4)  # batchify's layout: the batch along dim 1
+    assert part(columns, 1, 2, dim=1).tolist() == [[2, 3], [6, 7], [10, 11]]
+
+
+def random_parts(mc: multicard.Multicard) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(3)
+    noise = mc.randn_local(6, 2)
+    mine = mc.seed_per_process(5)
+    return torch.cat(mc.gather(noise)), torch.tensor(mc.gather((mine, torch.rand(()).item())))
+
+
+def test_randn_local_cuts_the_noise_one_process_draws_and_seed_per_process_differs():
+    noise, seeds = multicard.launch(random_parts, strategy="ddp", devices="cpu:2")
+    torch.manual_seed(3)
+    assert torch.equal(noise, torch.randn(6, 2))
+    assert seeds[:, 0].tolist() == [5, 6] and seeds[0, 1] != seeds[1, 1]
