@@ -4,12 +4,16 @@ drawn globally and cut into parts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, TensorDataset
 
 import multicard
+from conftest import ROOT
 from multicard.parts import part, samples
 
 
@@ -58,17 +62,19 @@ def make_loader(kind: str, generator: bool) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=None, sampler=sampler, generator=g)
 
 
-def regression(mc: multicard.Multicard | None, kind: str, generator: bool, epochs: int = 3) -> dict:
-    """The plain loop (mc None), or the same loop with multicard's lines; what it ends with."""
+def regression(mc: multicard.Multicard | None, kind: str, generator: bool, reseed: int = 0) -> dict:
+    """The plain loop (mc None), or the same loop with multicard's lines; what it ends with. The global RNG is
+    seeded with `reseed` after the model is built (a loader without a generator draws its order from it)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
+    torch.manual_seed(reseed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = make_loader(kind, generator)
     if mc is not None:
         model, optimizer = mc.setup(model, optimizer)
         loader = mc.setup_dataloader(loader)
     steps = 0
-    for _ in range(epochs):
+    for _ in range(3):
         for x, y in loader:
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
@@ -80,10 +86,20 @@ def regression(mc: multicard.Multicard | None, kind: str, generator: bool, epoch
             "rng": torch.get_rng_state(), "after": torch.rand(3)}
 
 
-def ddp_regression(mc: multicard.Multicard, kind: str, generator: bool) -> dict:
-    if not generator:
-        torch.manual_seed(100 + mc.rank)  # a script whose processes' global RNGs differ: still one order
-    return regression(mc, kind, generator)
+N_PROCESS_CASES = [("tensors", True), ("samples", False), ("iterable", True), ("batch_sampler", True),
+                   ("batch_none", True), ("tensors", False)]
+
+
+def ddp_regressions(mc: multicard.Multicard) -> list[dict]:
+    """Every case in one job (a job costs seconds to start)."""
+    results = []
+    for kind, generator in N_PROCESS_CASES:  # processes whose global RNGs differ still deal out one order
+        results.append(regression(mc, kind, generator, reseed=100 + mc.rank))
+    try:  # a batch sampler drawing from global RNGs seeded apart: each process would read other batches
+        regression(mc, "batch_none", False, reseed=100 + mc.rank)
+    except multicard.UsageError as error:
+        return results, str(error)
+    return results, ""
 
 
 @pytest.mark.parametrize("kind", ["tensors", "samples", "iterable", "batch_sampler", "batch_none"])
@@ -106,16 +122,14 @@ def test_the_users_generator_is_the_one_consumed():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind, generator", [("tensors", True), ("samples", False), ("iterable", True),
-                                             ("batch_sampler", True)])
-def test_n_processes_take_the_steps_of_the_plain_script(world, kind, generator):
-    if generator is False:
-        torch.manual_seed(100)  # as rank 0 seeds: rank 0's draw is the order every process deals out
-    plain = regression(None, kind, generator)
-    ours = multicard.launch(ddp_regression, kind, generator, strategy="ddp", devices=f"cpu:{world}")
-    assert ours["steps"] == plain["steps"]
-    for name, value in plain["weights"].items():
-        torch.testing.assert_close(ours["weights"][name], value, rtol=0, atol=1e-6)
+def test_n_processes_take_the_steps_of_the_plain_script(world):
+    ours, refused = multicard.launch(ddp_regressions, strategy="ddp", devices=f"cpu:{world}")
+    assert "this loader serves each process other batches" in refused
+    for (kind, generator), result in zip(N_PROCESS_CASES, ours, strict=True):
+        plain = regression(None, kind, generator, reseed=100)  # rank 0's draws: the order every process deals out
+        assert result["steps"] == plain["steps"], kind
+        for name, value in plain["weights"].items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=0, atol=1e-6, msg=kind)
 
 
 def test_a_short_last_batch_with_fewer_samples_than_processes_is_left_out():
@@ -184,3 +198,19 @@ def test_a_run_resumed_mid_epoch_goes_on_exactly(tmp_path, kind, generator):
     torch.manual_seed(123)  # whatever the streams are now: load puts them back
     rest = resumable(multicard.Multicard("single", "cpu"), kind, generator, tmp_path / "part.pt", None, True)
     assert first + rest == whole
+
+
+@pytest.mark.slow  # ~5 s a script on 2 idle cores: 3 runs of each
+@pytest.mark.parametrize("script", ["stream_loop.py", "word_language_model.py"])
+def test_each_example_is_its_one_card_original_on_one_process_and_takes_its_steps_on_two(tmp_path, script):
+    path = f"{ROOT}/examples/{script}"
+    for name, command in [("plain", [sys.executable, path, "--plain"]), ("one", [sys.executable, path]),
+                          ("two", [sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", path])]:
+        done = subprocess.run([*command, "--epochs", "1", "--save", str(tmp_path / f"{name}.pt")],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count("epoch 1: train loss") == 1  # rank 0 alone prints
+    plain, one, two = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("plain", "one", "two"))
+    assert all(torch.equal(plain[k], one[k]) for k in plain)
+    for k in plain:
+        torch.testing.assert_close(two[k], plain[k], rtol=0, atol=1e-5)

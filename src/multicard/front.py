@@ -223,8 +223,7 @@ class Multicard:
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
-        agree = None if self.world_size == 1 else \
-            (lambda value: self._strategy.broadcast_tensor(value.to(self.device), 0).cpu())
+        agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
                      device_data=device_data, accumulate=accumulate)
@@ -246,6 +245,13 @@ class Multicard:
     def seed_per_process(self, seed: int) -> int:
         """Seed torch, `random` and numpy with seed + rank: streams that differ between processes; returns it."""
         return parts.seed_per_process(seed, self.rank)
+
+    def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:
+        """data/order.py's Agree: rank 0's `value`, or the element-wise max, on every process."""
+        value = value.to(self.device)
+        agreed = self._strategy.broadcast_tensor(value, 0) if how == "broadcast" else \
+            self._strategy.all_reduce(value, "max")
+        return agreed.cpu()
 
     def _loader_batch(self, batch: int, accumulate: int = 1) -> int:
         hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"

@@ -207,7 +207,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         if device_data is True or accumulate > 1:
             raise UsageError(f"{'device_data=True' if device_data is True else 'accumulate'} needs a DataLoader with "
                              f"batch_size over a map-style dataset; accumulate in your loop (mc.no_backward_sync)")
-        return Sharded(Split(loader, rank, world if global_batch else 1), loader, device)
+        return Sharded(Split(loader, rank, world if global_batch else 1, agree), loader, device)
     if type(loader.sampler) not in (RandomSampler, SequentialSampler) or \
             (isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or
                                                             loader.sampler.num_samples != len(dataset))):

@@ -18,8 +18,16 @@ from torch.utils.data import Sampler
 
 from ..errors import UsageError
 
-# rank 0's int64 tensor on every process (a broadcast); None on one process
-Agree = Callable[[torch.Tensor], torch.Tensor]
+# between the processes (None on one process): agree(tensor, "broadcast") is rank 0's tensor on every process;
+# agree(tensor, "max") the element-wise maximum
+Agree = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def same_everywhere(agree: Agree, values: torch.Tensor) -> bool:
+    """Whether every process holds these `values` (one collective; every process gets the same answer)."""
+    values = values.double().flatten()
+    both = agree(torch.cat([values, -values]), "max")
+    return bool(torch.equal(both, torch.cat([values, -values])))
 
 
 def base_seed(generator: torch.Generator | None) -> int:
@@ -50,7 +58,7 @@ class Permutation:
         seed = self.resume_seed if self.resume_seed is not None else base_seed(None)
         self.resume_seed = None
         if self.agree is not None:
-            seed = int(self.agree(torch.tensor([seed], dtype=torch.int64))[0])
+            seed = int(self.agree(torch.tensor([seed], dtype=torch.int64), "broadcast")[0])
         self.seed = seed
         return torch.randperm(self.size, generator=torch.Generator().manual_seed(seed))
 
@@ -59,9 +67,8 @@ class Permutation:
             torch.randperm(self.size, generator=self.generator)
 
     def _check(self, order: torch.Tensor) -> None:
-        head = order[:16].clone()
-        if not torch.equal(self.agree(head.clone()), head):
-            raise UsageError("the DataLoader's generator gives another order here than on rank 0: seed it the same "
+        if not same_everywhere(self.agree, order[:16]):
+            raise UsageError("the DataLoader's generator gives each process another order: seed it the same "
                              "in every process (e.g. torch.Generator().manual_seed(42)) and draw from it alike")
         self.checked = True
 
