@@ -214,3 +214,27 @@ def test_each_example_is_its_one_card_original_on_one_process_and_takes_its_step
     assert all(torch.equal(plain[k], one[k]) for k in plain)
     for k in plain:
         torch.testing.assert_close(two[k], plain[k], rtol=0, atol=1e-5)
+
+
+def fsdp_regressions(mc: multicard.Multicard) -> list[dict]:
+    results = []
+    for kind in ("iterable", "batch_sampler"):
+        torch.manual_seed(0)
+        model = mc.setup(nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # under fsdp: built over the shards
+        loader = mc.setup_dataloader(make_loader(kind, True))
+        for _ in range(3):
+            for x, y in loader:
+                optimizer.zero_grad()
+                mc.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+        results.append(mc.state_dict(model))
+    return results
+
+
+def test_read_whole_pipelines_take_the_plain_steps_under_fsdp():
+    ours = multicard.launch(fsdp_regressions, strategy="fsdp", devices="cpu:2")
+    for kind, weights in zip(("iterable", "batch_sampler"), ours, strict=True):
+        plain = regression(None, kind, True)["weights"]
+        for name, value in plain.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=kind)

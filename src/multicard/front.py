@@ -209,8 +209,10 @@ class Multicard:
 
         Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
         sampler is replaced. Its batch_size is the GLOBAL batch: N processes take, step by step, the samples
-        one process takes (one order, from the loader's generator or this object's seed, dealt out), so the
-        batch must split over the processes. global_batch=False keeps batch_size per process instead.
+        one process takes (one order, dealt out: the permutation the plain loader would draw, from the same
+        numbers of its generator, or of the global RNG, rank 0's), so the batch must split over the processes.
+        global_batch=False keeps batch_size per process instead. An IterableDataset or a batch sampler of the
+        user's is read whole by every process, each keeping its contiguous part of each batch.
         train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
         DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
         holds a TensorDataset on the device and cuts batches there; "auto" does that on a card when the tensors
