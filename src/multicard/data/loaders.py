@@ -65,9 +65,9 @@ class Sharded:
     With `accumulate` K, its batches are micro-batches, K to an optimizer step: after each one is served,
     `step_ends` says whether it ends its step, and `share` is its part of that step's samples.
 
-    Its state_dict() is its place in the data (the epoch, and the samples of that epoch's global order served
-    so far), so a checkpoint taken after any optimizer step resumes with the next batch, on any number of
-    processes that split the same global batch."""
+    Its state_dict() is its place in the data (the epoch, the samples of that epoch's global order served so far
+    or, for a loader read whole, its batches; the generators as the pass began), so a checkpoint taken after any
+    optimizer step resumes with the next batch, on any number of processes that split the same global batch."""
 
     def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
