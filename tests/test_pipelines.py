@@ -82,8 +82,9 @@ def regression(mc: multicard.Multicard | None, kind: str, generator: bool, resee
             optimizer.step()
             steps += 1
     weights = (mc.unwrap(model) if mc is not None else model).state_dict()
+    generator = loader.generator.get_state() if loader.generator is not None else None  # the user's own object
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "steps": steps,
-            "rng": torch.get_rng_state(), "after": torch.rand(3)}
+            "rng": torch.get_rng_state(), "after": torch.rand(3), "generator": generator}
 
 
 N_PROCESS_CASES = [("tensors", True), ("samples", False), ("iterable", True), ("batch_sampler", True),
@@ -110,6 +111,8 @@ def test_one_process_ends_bit_identical_to_the_plain_script(kind, generator):
     assert all(torch.equal(plain["weights"][k], ours["weights"][k]) for k in plain["weights"])
     assert plain["steps"] == ours["steps"] and torch.equal(plain["rng"], ours["rng"])  # the global RNG where the
     assert torch.equal(plain["after"], ours["after"])  # plain script leaves it: what it draws next is the same
+    assert (plain["generator"] is None and ours["generator"] is None) or \
+        torch.equal(plain["generator"], ours["generator"])
 
 
 def test_the_users_generator_is_the_one_consumed():
