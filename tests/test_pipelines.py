@@ -96,11 +96,17 @@ def ddp_regressions(mc: multicard.Multicard) -> list[dict]:
     results = []
     for kind, generator in N_PROCESS_CASES:  # processes whose global RNGs differ still deal out one order
         results.append(regression(mc, kind, generator, reseed=100 + mc.rank))
+    refused = []
     try:  # a batch sampler drawing from global RNGs seeded apart: each process would read other batches
         regression(mc, "batch_none", False, reseed=100 + mc.rank)
     except multicard.UsageError as error:
-        return results, str(error)
-    return results, ""
+        refused.append(str(error))
+    apart = DataLoader(range(48), 12, shuffle=True, generator=torch.Generator().manual_seed(mc.rank))
+    try:  # a generator seeded differently in each process
+        next(iter(mc.setup_dataloader(apart)))
+    except multicard.UsageError as error:
+        refused.append(str(error))
+    return results, refused
 
 
 @pytest.mark.parametrize("kind", ["tensors", "samples", "iterable", "batch_sampler", "batch_none"])
@@ -127,7 +133,8 @@ def test_the_users_generator_is_the_one_consumed():
 @pytest.mark.parametrize("world", [2, 3])
 def test_n_processes_take_the_steps_of_the_plain_script(world):
     ours, refused = multicard.launch(ddp_regressions, strategy="ddp", devices=f"cpu:{world}")
-    assert "this loader serves each process other batches" in refused
+    assert "this loader serves each process other batches" in refused[0]
+    assert "the DataLoader's generator gives each process another order" in refused[1]
     for (kind, generator), result in zip(N_PROCESS_CASES, ours, strict=True):
         plain = regression(None, kind, generator, reseed=100)  # rank 0's draws: the order every process deals out
         assert result["steps"] == plain["steps"], kind
@@ -241,3 +248,13 @@ def test_read_whole_pipelines_take_the_plain_steps_under_fsdp():
         plain = regression(None, kind, True)["weights"]
         for name, value in plain.items():
             torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=kind)
+
+
+@pytest.mark.parametrize("make, accumulate, words", [
+    (lambda: DataLoader(TensorDataset(torch.arange(8)), batch_size=None), 1, "serves one sample at a time"),
+    (lambda: DataLoader(Stream(*regression_data()), 24), 2, "accumulate in your loop"),
+])
+def test_what_cannot_be_read_whole_is_one_clear_error(make, accumulate, words):
+    mc = multicard.Multicard("single", "cpu")
+    with pytest.raises(multicard.UsageError, match=words):
+        mc.setup_dataloader(make(), accumulate=accumulate)
