@@ -56,4 +56,4 @@ def sharded(dataset, batch: int, *, train: bool = True, rank: int = 0, world: in
     loader = DataLoader(dataset, batch, shuffle=shuffle, num_workers=workers,
                         generator=torch.Generator().manual_seed(seed) if shuffle else None)
     return shard(loader, train=train, rank=rank, world=world, device=torch.device("cpu"),
-                 local_batch=lambda b, k=1: b // (world * k), seed=seed, **options)
+                 local_batch=lambda b, k=1: b // (world * k), **options)

@@ -18,14 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from multicard import data
 from multicard.config import TrainConfig
 from multicard.data import idx, mnist5k, synthetic
 from multicard.data.images import ImageData
-from multicard.data.loaders import GlobalOrder
+from multicard.data.order import GlobalOrder, Permutation
 from multicard.errors import UsageError
 
 TRAIN_IMAGES, TRAIN_LABELS = idx.SPLITS["train"]
@@ -554,14 +554,16 @@ def test_synthetic_by_name_and_bad_size():
 
 
 @pytest.mark.parametrize("size, world", [(1, 1), (7, 1), (10, 3), (2, 5), (64, 4), (1000, 3)])
-def test_training_order_as_a_tensor_is_distributed_samplers_order(size, world):
+def test_training_order_deals_out_the_plain_loaders_permutation_padded_as_distributed_sampler_pads(size, world):
     for rank in range(world):
-        ours, torchs = GlobalOrder(size, rank, world, seed=5), DistributedSampler(range(size), world, rank, seed=5)
-        for epoch in range(3):
-            ours.set_epoch(epoch)
-            torchs.set_epoch(epoch)
-            assert ours.order().tolist() == list(ours) == list(torchs)  # padding (size 2 over 5 ranks) included
-            assert len(ours) == len(torchs)
+        ours, plain = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        shuffled, unshuffled = GlobalOrder(size, rank, world, Permutation(size, ours)), GlobalOrder(size, rank, world)
+        for _ in range(3):  # passes draw on from the same generator, as a plain RandomSampler's do
+            order = list(RandomSampler(range(size), generator=plain))
+            assert list(shuffled) == (order * world)[: -(-size // world) * world][rank::world]
+            assert unshuffled.order().tolist() == list(DistributedSampler(range(size), world, rank, shuffle=False))
+            assert len(shuffled) == len(DistributedSampler(range(size), world, rank))
+        assert ours.get_state().equal(plain.get_state())
 
 
 def test_auto_device_data_holds_what_fits_in_a_quarter_of_the_cards_free_memory():
@@ -597,7 +599,7 @@ def test_a_users_loader_takes_device_data_auto(monkeypatch):
     from multicard.data.loaders import InMemory, shard
 
     data = TensorDataset(torch.arange(12.0).view(12, 1), torch.arange(12))
-    common = dict(train=True, rank=0, world=1, local_batch=lambda batch, k: batch, seed=0)
+    common = dict(train=True, rank=0, world=1, local_batch=lambda batch, k: batch)
     on_cpu = shard(DataLoader(data, 4), device=torch.device("cpu"), device_data="auto", **common)
     assert isinstance(on_cpu.inner, InMemory) and [len(y) for _, y in on_cpu] == [4, 4, 4]
     moved = []  # on a card with room: the tensors go there once (the move is recorded, not made)

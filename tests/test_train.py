@@ -196,7 +196,7 @@ def test_own_model_criterion_and_tensor_dataset(tmp_path, capsys):
 
     summary = multicard.train(MLP(), TensorDataset(*blobs(200, 0)), TensorDataset(*blobs(60, 1)),
                               criterion=CountingLoss(), strategy="single", devices="cpu", epochs=2, batch_size=32,
-                              lr=1e-2, out=str(tmp_path), quiet=False, eval_batch_size=25)
+                              lr=2e-2, out=str(tmp_path), quiet=False, eval_batch_size=25)  # 1e-2: 83-95% by order
     assert summary["test_accuracy"] >= 0.95 and summary["test_samples"] == 60 and summary["model"] == "MLP"
     assert calls[:7] == [32] * 6 + [8]  # 200 training samples: 6 full batches and one of 8, the user's criterion
     printed = capsys.readouterr().out
@@ -211,7 +211,7 @@ def test_plain_dataset_goes_through_sample_collation(tmp_path, capsys):
     torch.manual_seed(0)
     test = Samples(45, 1)
     summary = multicard.train(MLP(), Samples(150, 0), test, strategy="single", devices="cpu", epochs=2,
-                              batch_size=16, eval_batch_size=20, lr=1e-2, out=str(tmp_path), quiet=True)
+                              batch_size=16, eval_batch_size=20, lr=2e-2, out=str(tmp_path), quiet=True)  # learns
     assert summary["test_samples"] == 45  # every test sample counted once, the last batch short
     assert summary["test_accuracy"] >= 0.95
     assert "epoch 1/2" not in capsys.readouterr().out  # quiet: no per-epoch lines

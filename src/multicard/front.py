@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import collectives, launcher, memory, observe, saving
+from . import collectives, launcher, memory, observe, parts, saving
 from .data.loaders import Sharded, shard
 from .dist import job_from_env
 from .errors import UsageError
@@ -209,8 +209,10 @@ class Multicard:
 
         Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
         sampler is replaced. Its batch_size is the GLOBAL batch: N processes take, step by step, the samples
-        one process takes (one order, from the loader's generator or this object's seed, dealt out), so the
-        batch must split over the processes. global_batch=False keeps batch_size per process instead.
+        one process takes (one order, dealt out: the permutation the plain loader would draw, from the same
+        numbers of its generator, or of the global RNG, rank 0's), so the batch must split over the processes.
+        global_batch=False keeps batch_size per process instead. An IterableDataset or a batch sampler of the
+        user's is read whole by every process, each keeping its contiguous part of each batch.
         train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
         DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
         holds a TensorDataset on the device and cuts batches there; "auto" does that on a card when the tensors
@@ -223,9 +225,35 @@ class Multicard:
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
-                     local_batch=self._loader_batch, seed=self.seed, global_batch=global_batch,
+                     local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
                      device_data=device_data, accumulate=accumulate)
+
+    # -- this process's part (parts.py) -----------------------------------------------------------------------
+    def local(self, batch: Any, dim: int = 0) -> Any:
+        """This process's contiguous part of a global batch that every process built alike (e.g. by hand from
+        one long tensor: mc.local(batchify(data, 20), dim=1) keeps its columns): a tensor, a list of per-sample
+        values, or dicts / lists / tuples of them, cut along `dim`; parts differ by at most one sample."""
+        self._start()
+        return parts.part(batch, self.rank, self.world_size, dim)
+
+    def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
+        """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,
+        e.g. a GAN's for the global batch), this process keeping its part along `dim`."""
+        self._start()
+        return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
+
+    def seed_per_process(self, seed: int) -> int:
+        """Seed torch, `random` and numpy with seed + rank: streams that differ between processes; returns it."""
+        return parts.seed_per_process(seed, self.rank)
+
+    def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:
+        """data/order.py's Agree: rank 0's `value`, or the element-wise max, on every process."""
+        value = value.to(self.device)
+        agreed = self._strategy.broadcast_tensor(value, 0) if how == "broadcast" else \
+            self._strategy.all_reduce(value, "max")
+        return agreed.cpu()
 
     def _loader_batch(self, batch: int, accumulate: int = 1) -> int:
         hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"

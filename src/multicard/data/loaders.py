@@ -1,18 +1,19 @@
 """A user's DataLoader, set up for one process of a job: its settings kept, its sampler replaced by this process's
-share of one global order, batches moved to the device, and the epoch advanced on every pass."""
+share of one global order (order.py: the plain loader's own), batches moved to the device, and the epoch
+advanced on every pass. Pipelines that cannot be dealt out by index (pipelines.py) are read whole by every
+process, each keeping its slice of every batch."""
 
 from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    IterableDataset,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -25,69 +26,13 @@ from .. import lifeline
 from ..dist import progress
 from ..errors import UsageError
 from .images import ImageData
+from .order import Agree, GlobalOrder, Permutation, ShardSampler, base_seed
+from .pipelines import Split, read_whole
 
 # what a DataLoader was built with, besides its dataset, batch and sampler: carried over unchanged
 KEPT = [name for name in ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                           "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
         if name in inspect.signature(DataLoader).parameters]
-
-
-class ShardSampler(Sampler[int]):
-    """Every `world`-th index from `rank`: each sample in exactly one shard, none padded or repeated.
-
-    DistributedSampler pads the last shard with repeats so that shards are equal; for evaluation that would
-    count some samples twice. Shards here may differ by one sample; metrics are reduced as sums.
-    """
-
-    def __init__(self, size: int, rank: int = 0, world: int = 1):
-        self.size, self.rank, self.world = size, rank, world
-
-    def __iter__(self):
-        return iter(range(self.rank, self.size, self.world))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.world))
-
-    def order(self) -> torch.Tensor:
-        return torch.arange(self.rank, self.size, self.world)
-
-
-class GlobalOrder(Sampler[int]):
-    """One order of the whole dataset per epoch (a seeded permutation, or 0..n-1), the same in every process,
-    dealt out by rank: index i of the order goes to process i % world. With a per-process batch b, step k of
-    the N processes together takes positions k*N*b .. (k+1)*N*b - 1: the step one process takes at batch N*b.
-
-    The order is padded with its first indices to a multiple of the world (as DistributedSampler does, whose
-    order this is exactly), or, with `drop_last`, cut to whole global steps of `step` samples."""
-
-    def __init__(self, size: int, rank: int = 0, world: int = 1, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, step: int = 1):
-        self.size, self.rank, self.world, self.shuffle, self.seed = size, rank, world, shuffle, seed
-        self.drop_last, self.step, self.epoch = drop_last, step, 0
-        self.start = 0  # positions of the order served already (a resumed epoch): skipped, never loaded
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def order(self) -> torch.Tensor:
-        """This process's indices for the epoch, as one tensor (listing 262,144 of them in Python takes ~45 ms)."""
-        if self.shuffle:
-            indices = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        else:
-            indices = torch.arange(self.size)
-        if self.drop_last:
-            indices = indices[: self.size // self.step * self.step]
-        elif self.size % self.world:
-            total = -(-self.size // self.world) * self.world
-            indices = indices.repeat(-(-total // self.size))[:total]
-        return indices[self.rank::self.world][self.start // self.world:]
-
-    def __iter__(self):
-        return iter(self.order().tolist())
-
-    def __len__(self) -> int:
-        total = self.size // self.step * self.step if self.drop_last else -(-self.size // self.world) * self.world
-        return max(0, total - self.start) // self.world
 
 
 class InMemory:
@@ -108,10 +53,10 @@ class InMemory:
 
     def __iter__(self):
         order = self.sampler.order()
-        if not len(order):  # nothing left of a resumed epoch (split would still give one empty chunk)
-            return
-        for chunk in order.to(self.device).split(self.batch_size):
+        # nothing left of a resumed epoch: no batch (split would still give one empty chunk)
+        for chunk in order.to(self.device).split(self.batch_size) if len(order) else ():
             yield self.dataset[chunk]
+        self.sampler.finish()
 
 
 class Sharded:
@@ -121,15 +66,19 @@ class Sharded:
     With `accumulate` K, its batches are micro-batches, K to an optimizer step: after each one is served,
     `step_ends` says whether it ends its step, and `share` is its part of that step's samples.
 
-    Its state_dict() is its place in the data (the epoch, and the samples of that epoch's global order served
-    so far), so a checkpoint taken after any optimizer step resumes with the next batch, on any number of
-    processes that split the same global batch."""
+    Its state_dict() is its place in the data (the epoch, the samples of that epoch's global order served so far
+    or, for a loader read whole, its batches; the generators as the pass began), so a checkpoint taken after any
+    optimizer step resumes with the next batch, on any number of processes that split the same global batch."""
 
     def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
         self.step_ends, self.share = True, 1.0
         self.skip = 0  # samples of the next pass's order to leave out (set by load_state_dict)
         self.place: tuple[int, int] | None = None  # (epoch, samples served) while a pass is under way
+        self.started: list[torch.Tensor] = []  # the generators' states as the pass under way began
+        self.resumed, self.passes = False, 0  # resumed: the next pass goes on from a checkpoint taken inside it
+        # what a checkpoint counts: samples of the global order, or batches of a loader every process reads whole
+        self.counts, self.unit = ("batches", 1) if isinstance(inner, Split) else ("samples", self.global_micro_batch)
 
     @property
     def sampler(self) -> Sampler:
@@ -151,23 +100,37 @@ class Sharded:
         """Samples of the global order that one batch of every process takes together."""
         return (self.local_batch_size or 1) * getattr(self.sampler, "world", getattr(self.sampler, "num_replicas", 1))
 
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """The user's generators the plain loader draws from: its own, and its sampler's where that is another."""
+        found = [self.original.generator, getattr(self.sampler, "draws", None) and self.sampler.draws.generator]
+        for user in (self.original.sampler, self.original.batch_sampler):
+            found += [getattr(user, "generator", None), getattr(getattr(user, "sampler", None), "generator", None)]
+        return [g for i, g in enumerate(found) if g is not None and all(g is not h for h in found[:i])]
+
     def state_dict(self) -> dict:
+        """{"epoch", "samples" (or "batches", for a loader read whole), "generators": their state as this pass
+        began (a resumed pass draws its order again), "seed": the pass's seed drawn from the global RNG}."""
         epoch, served = self.place if self.place is not None else (self.epoch, 0)
-        state = {"epoch": epoch, "samples": served}
-        generator = getattr(self.inner, "generator", None)
-        if generator is not None:  # it seeds the loader's workers on each pass
-            state["generator"] = generator.get_state()
+        state = {"epoch": epoch, self.counts: served}
+        states = self.started if self.place is not None else [g.get_state() for g in self.generators]
+        if states:
+            state["generators"] = states
+        seed = getattr(getattr(self.sampler, "draws", None), "seed", None)
+        if self.place is not None and seed is not None:
+            state["seed"] = seed
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        epoch, samples = int(state["epoch"]), int(state["samples"])
-        if samples % self.global_micro_batch:
-            raise UsageError(f"the checkpoint stopped {samples} samples into epoch {epoch + 1}, not a whole number "
-                             f"of global batches of {self.global_micro_batch}: resume with the same --batch-size")
-        generator = getattr(self.inner, "generator", None)
-        if generator is not None and "generator" in state:
-            generator.set_state(state["generator"])
-        self.epoch, self.skip, self.place = epoch, samples, None
+        epoch, served = int(state["epoch"]), int(state.get(self.counts, 0))
+        if served % self.unit:
+            raise UsageError(f"the checkpoint stopped {served} samples into epoch {epoch + 1}, not a whole number "
+                             f"of global batches of {self.unit}: resume with the same --batch-size")
+        for generator, saved in zip(self.generators, state.get("generators", ()), strict=False):
+            generator.set_state(saved)
+        if "seed" in state and isinstance(self.sampler, GlobalOrder) and self.sampler.draws is not None:
+            self.sampler.draws.resume_seed = int(state["seed"])
+        self.epoch, self.skip, self.place, self.resumed = epoch, served, None, served > 0
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -180,18 +143,19 @@ class Sharded:
         return [size] * (count - 1) + [last] if count else []
 
     def __iter__(self):
-        epoch, skip, g = self.epoch, self.skip, self.global_micro_batch
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        epoch, skip, g = self.epoch, self.skip, self.unit
+        if hasattr(self.sampler, "set_epoch") and not isinstance(self.inner, Split):  # a user's sampler in a Split
+            self.sampler.set_epoch(epoch)  # is left to the user's script, as on one card
         ordered = isinstance(self.sampler, GlobalOrder)
         if ordered:  # the served part of a resumed epoch is left out of the order: never loaded
             self.sampler.start = skip
+        self.started = [generator.get_state() for generator in self.generators]
         self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
         k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
         sizes = self.micro_batch_sizes() if k > 1 else []
         # batches cut on the device already need no move (~5 µs a step)
         there = isinstance(self.inner, InMemory) and self.inner.device == self.device
-        for i, batch in enumerate(self.inner):
+        for i, batch in enumerate(self._start_pass()):
             if i < drop:
                 continue
             if k > 1:
@@ -204,6 +168,23 @@ class Sharded:
             self.sampler.start = 0
         self.place = None
 
+    def _start_pass(self) -> Iterator:
+        """The inner loader's iterator, started as the plain loader's: its first draw (the workers' base seed)
+        taken from the loader's generator or the global RNG; a DataLoader's iterator takes it itself, and only on
+        its first pass with persistent workers. A pass resumed from a checkpoint taken inside it leaves the global
+        RNG as the checkpoint has it (that draw came before the checkpoint); a generator was set back to the
+        pass's start, so it draws again."""
+        generator, resumed, self.resumed = self.original.generator, self.resumed, False
+        kept = torch.default_generator.get_state() if resumed and generator is None else None
+        persistent = self.original.persistent_workers and self.original.num_workers > 0
+        if isinstance(self.inner, InMemory) and kept is None and not (persistent and self.passes):
+            base_seed(generator)
+        self.passes += 1
+        batches = iter(self.inner)
+        if kept is not None:
+            torch.default_generator.set_state(kept)
+        return batches
+
     def __getattr__(self, name: str) -> Any:
         if name == "original":  # not set yet (unpickling): no loop through __getattr__
             raise AttributeError(name)
@@ -211,7 +192,7 @@ class Sharded:
 
 
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
-          local_batch: Callable[..., int], seed: int, global_batch: bool = True,
+          local_batch: Callable[..., int], agree: Agree | None = None, global_batch: bool = True,
           device_data: bool | str | None = False, accumulate: int = 1) -> Sharded:
     """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
     if isinstance(loader, Sharded):
@@ -219,21 +200,21 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if not isinstance(loader, DataLoader):
         raise UsageError(f"setup_dataloader takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
     dataset, accumulate = loader.dataset, accumulate if train else 1  # evaluation takes no optimizer steps
-    if isinstance(dataset, IterableDataset):
-        raise UsageError("an IterableDataset cannot be dealt out by index: give each process its own part "
-                         "(mc.rank of mc.world_size), or use a map-style dataset")
     if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
         if device_data is True:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
         return Sharded(loader, loader, device, accumulate)
-    if loader.batch_size is None:
-        raise UsageError("this DataLoader has a batch_sampler of its own, which multicard cannot deal out; "
-                         "give it batch_size (and shuffle) instead, or shard it yourself with a DistributedSampler")
+    if read_whole(loader):  # an iterable or a batch sampler: every process reads it, keeping its part
+        if device_data is True or accumulate > 1:
+            raise UsageError(f"{'device_data=True' if device_data is True else 'accumulate'} needs a DataLoader with "
+                             f"batch_size over a map-style dataset; accumulate in your loop (mc.no_backward_sync)")
+        return Sharded(Split(loader, rank, world if global_batch else 1, agree), loader, device)
     if type(loader.sampler) not in (RandomSampler, SequentialSampler) or \
             (isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or
                                                             loader.sampler.num_samples != len(dataset))):
         raise UsageError(f"this DataLoader draws with a {type(loader.sampler).__name__}, which multicard cannot "
-                         f"deal out over processes; use shuffle=True or False, or a DistributedSampler of your own")
+                         f"deal out over processes; use shuffle=True or False, pass it as a batch_sampler (read "
+                         f"whole by every process), or a DistributedSampler of your own")
     batch = loader.batch_size
     if not train:  # evaluation: any split is exact, so no batch size is refused
         local = -(-batch // world) if global_batch else batch
@@ -243,13 +224,13 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         raise UsageError(f"the DataLoader's batch_size {batch} does not split into {accumulate} micro-batches")
     else:
         local = batch // accumulate
+    shuffled = isinstance(loader.sampler, RandomSampler)
+    draws = Permutation(len(dataset), loader.sampler.generator, agree if train else None) if shuffled else None
     if train:
-        generator = getattr(loader.sampler, "generator", None)
-        order = GlobalOrder(len(dataset), rank, world, shuffle=isinstance(loader.sampler, RandomSampler),
-                            seed=generator.initial_seed() if generator is not None else seed,
-                            drop_last=loader.drop_last, step=local * world * accumulate)
-    else:
-        order = ShardSampler(len(dataset), rank, world)
+        order = GlobalOrder(len(dataset), rank, world, draws, drop_last=loader.drop_last,
+                            step=local * world * accumulate)
+    else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
+        order = ShardSampler(len(dataset), rank, world, draws)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
     if device_data in (None, "auto"):
         device_data, why = on_card(dataset.tensors, device) if whole_batches else (False, "")

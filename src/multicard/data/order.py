@@ -1,0 +1,142 @@
+"""The order a set-up loader serves: the permutation the user's plain DataLoader would have drawn, taken from the
+same random numbers it would have taken, dealt out over the processes.
+
+A plain `DataLoader(shuffle=True, generator=g)` takes, on each pass: one int64 from `g` as its iterator starts
+(the workers' base seed; from torch's global RNG without `g`), then `RandomSampler` draws `randperm(n, g)`
+(without a generator of its own: one int64 from the global RNG seeds a fresh generator for it), and once the
+permutation has been served, one more `randperm(n, g)` that it throws away. Taking exactly these numbers keeps
+the user's generator, and the global RNG that dropout and augmentation draw from, where the plain script has
+them: on one process the set-up loader serves the plain loader's batches and leaves the same random state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.data import Sampler
+
+from ..errors import UsageError
+
+# between the processes (None on one process): agree(tensor, "broadcast") is rank 0's tensor on every process;
+# agree(tensor, "max") the element-wise maximum
+Agree = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def same_everywhere(agree: Agree, values: torch.Tensor) -> bool:
+    """Whether every process holds these `values` (one collective; every process gets the same answer)."""
+    values = values.double().flatten()
+    both = agree(torch.cat([values, -values]), "max")
+    return bool(torch.equal(both, torch.cat([values, -values])))
+
+
+def base_seed(generator: torch.Generator | None) -> int:
+    """The number a DataLoader's iterator draws as it starts (its workers' base seed)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+class Permutation:
+    """RandomSampler's draws: `draw()` at the start of a pass, `finish()` once the pass has been served.
+
+    Without a generator each process draws its seed from its own global RNG (as the plain loader does, so the
+    global RNG moves on as it would); the processes then take rank 0's seed, so that a script whose processes
+    were never seeded alike still deals out one order (one broadcast of one number a pass). With a generator
+    every process draws from its own copy of it, which must be seeded alike: a first check says so if not."""
+
+    def __init__(self, size: int, generator: torch.Generator | None, agree: Agree | None = None):
+        self.size, self.generator, self.agree = size, generator, agree
+        self.seed: int | None = None  # the seed of this pass's permutation, drawn from the global RNG
+        self.resume_seed: int | None = None  # a resumed pass: that seed again, the global RNG left as it was
+        self.checked = False
+
+    def draw(self) -> torch.Tensor:
+        if self.generator is not None:
+            order = torch.randperm(self.size, generator=self.generator)
+            if not self.checked and self.agree is not None:
+                self._check(order)
+            return order
+        seed = self.resume_seed if self.resume_seed is not None else base_seed(None)
+        self.resume_seed = None
+        if self.agree is not None:
+            seed = int(self.agree(torch.tensor([seed], dtype=torch.int64), "broadcast")[0])
+        self.seed = seed
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(seed))
+
+    def finish(self) -> None:
+        if self.generator is not None:  # a fresh generator's throw-away draw changes nothing anyone sees
+            torch.randperm(self.size, generator=self.generator)
+
+    def _check(self, order: torch.Tensor) -> None:
+        if not same_everywhere(self.agree, order[:16]):
+            raise UsageError("the DataLoader's generator gives each process another order: seed it the same "
+                             "in every process (e.g. torch.Generator().manual_seed(42)) and draw from it alike")
+        self.checked = True
+
+
+class ShardSampler(Sampler[int]):
+    """Every `world`-th index from `rank`: each sample in exactly one shard, none padded or repeated.
+
+    DistributedSampler pads the last shard with repeats so that shards are equal; for evaluation that would
+    count some samples twice. Shards here may differ by one sample; metrics are reduced as sums. A shuffling
+    loader's permutation is still drawn (and not used), so the random streams move on as the plain loader's."""
+
+    def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None):
+        self.size, self.rank, self.world, self.draws = size, rank, world, draws
+
+    def __iter__(self):
+        yield from self.order().tolist()
+        self.finish()
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.size, self.world))
+
+    def order(self) -> torch.Tensor:
+        if self.draws is not None:
+            self.draws.draw()
+        return torch.arange(self.rank, self.size, self.world)
+
+    def finish(self) -> None:
+        if self.draws is not None:
+            self.draws.finish()
+
+
+class GlobalOrder(Sampler[int]):
+    """One order of the whole dataset per pass (the plain loader's permutation, or 0..n-1), the same in every
+    process, dealt out by rank: index i of the order goes to process i % world. With a per-process batch b, step
+    k of the N processes together takes positions k*N*b .. (k+1)*N*b - 1: the step one process takes at batch N*b.
+
+    The order is padded with its first indices to a multiple of the world (as DistributedSampler pads), or, with
+    `drop_last`, cut to whole global steps of `step` samples."""
+
+    def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None,
+                 drop_last: bool = False, step: int = 1):
+        self.size, self.rank, self.world, self.draws = size, rank, world, draws
+        self.drop_last, self.step = drop_last, step
+        self.start = 0  # positions of the order served already (a resumed epoch): skipped, never loaded
+
+    @property
+    def shuffle(self) -> bool:
+        return self.draws is not None
+
+    def order(self) -> torch.Tensor:
+        """This process's indices for the pass, drawn now, as one tensor (listing 262,144 of them in Python
+        takes ~45 ms). Call it once a pass, and `finish()` once the pass has been served."""
+        indices = self.draws.draw() if self.draws is not None else torch.arange(self.size)
+        if self.drop_last:
+            indices = indices[: self.size // self.step * self.step]
+        elif self.size % self.world:
+            total = -(-self.size // self.world) * self.world
+            indices = indices.repeat(-(-total // self.size))[:total]
+        return indices[self.rank::self.world][self.start // self.world:]
+
+    def finish(self) -> None:
+        if self.draws is not None:
+            self.draws.finish()
+
+    def __iter__(self):
+        yield from self.order().tolist()
+        self.finish()
+
+    def __len__(self) -> int:
+        total = self.size // self.step * self.step if self.drop_last else -(-self.size // self.world) * self.world
+        return max(0, total - self.start) // self.world

@@ -1,0 +1,91 @@
+"""Loaders that cannot be dealt out by index, read whole by every process: an IterableDataset, a batch sampler of
+the user's (e.g. length bucketing), or `sampler=BatchSampler(...), batch_size=None`.
+
+Every process iterates the user's loader as it is (the same global batches, when the loader and its random
+streams are built alike in every process) and keeps its contiguous part of each batch. Each process then takes
+the same number of steps by construction; a batch with fewer samples than processes is left out (some process
+would get none), the only batch one process would have taken that N processes do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from ..errors import UsageError
+from ..parts import part, samples
+from .order import Agree, same_everywhere
+
+
+def fingerprint(batch: Any, size: int) -> torch.Tensor:
+    """A few numbers that differ, in practice, between two different batches: its size, and a sum and a weighted
+    sum of its first tensor's first 4,096 values (a batch without tensors, e.g. of text, is compared by its size
+    alone)."""
+    first = next((t for t in _tensors(batch)), None)
+    if first is None:
+        return torch.tensor([size], dtype=torch.float64)
+    values = first.detach().flatten()[:4096].double().cpu()  # a bounded cost, whatever the batch's size
+    return torch.stack([torch.tensor(float(size), dtype=torch.float64), values.sum(),
+                        (values * torch.arange(1, len(values) + 1, dtype=torch.float64)).sum()])
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+
+
+def read_whole(loader: DataLoader) -> bool:
+    """Whether `loader` is one of the pipelines each process reads whole."""
+    return isinstance(loader.dataset, IterableDataset) or loader.batch_size is None
+
+
+class Split:
+    """The user's loader, whole; each batch cut to this process's part (world 1: the batches as they come)."""
+
+    def __init__(self, loader: DataLoader, rank: int, world: int, agree: Agree | None = None):
+        batches = isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is not None or \
+            isinstance(loader.sampler, BatchSampler)
+        if not batches:
+            raise UsageError(f"this DataLoader has batch_size=None with a {type(loader.sampler).__name__}, so it "
+                             f"serves one sample at a time; give it batch_size, or pass a sampler that yields "
+                             f"batches of indices as batch_sampler=")
+        self.loader, self.rank, self.world, self.agree = loader, rank, world, agree
+        self.sampler, self.batch_size = loader.sampler, None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._parts(iter(self.loader))  # started now: its first draws taken as the plain loader's
+
+    def _parts(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for i, batch in enumerate(batches):
+            if self.world == 1:
+                yield batch
+                continue
+            size = samples(batch)
+            if size is None:
+                raise UsageError(f"a batch of this loader is a {type(batch).__name__} with no tensor or per-sample "
+                                 f"list to split between the processes")
+            if i == 0 and self.agree is not None:
+                self._check(batch, size)
+            if size >= self.world:
+                yield part(batch, self.rank, self.world)
+
+    def _check(self, batch: Any, size: int) -> None:
+        """The first batch of each pass, compared between the processes (one collective a pass): a loader that
+        serves each process other batches (a sampler or shuffle buffer drawing from global RNGs seeded apart)
+        is one clear error, never steps over different data."""
+        if not same_everywhere(self.agree, fingerprint(batch, size)):
+            raise UsageError("this loader serves each process other batches, and every process reads it whole: "
+                             "seed its random draws alike in every process (torch.manual_seed, or a generator for "
+                             "its sampler), or keep its batches per process with global_batch=False")
