@@ -193,7 +193,7 @@ def test_a_dataloader_worker_hung_in_getitem_dies_with_its_process(tmp_path, sta
         "if __name__ == '__main__':\n"
         f"    loader = torch.utils.data.DataLoader(Hangs(), 4, num_workers=1, multiprocessing_context='{start}')\n"
         "    inner = shard(loader, train=False, rank=0, world=1, device=torch.device('cpu'),\n"
-        "                  local_batch=lambda b, k=1: b, seed=0)\n"
+        "                  local_batch=lambda b, k=1: b)\n"
         "    next(iter(inner))\n")
     parent = subprocess.Popen([sys.executable, str(tmp_path / "hangs.py")], stdout=subprocess.PIPE, text=True,
                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},

@@ -39,8 +39,8 @@ class Multicard:
     precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
     same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
     gradients overflowed, counted in mc.skipped_steps; mc.scaler goes into checkpoints).
-    seed: the data order's seed where a shuffling DataLoader has no generator of its own (every process
-    must deal out the same order). Under `multicard run`, "auto" takes the launcher's --strategy / --devices.
+    Under `multicard run`, "auto" takes the launcher's --strategy / --devices. (The data order is the plain
+    DataLoader's own: its generator's, or torch's global RNG's; see setup_dataloader.)
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
     fsdp_blocks, reshard_after_forward: fsdp: the class names of the blocks to shard one by one (default: the
     model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
@@ -52,13 +52,13 @@ class Multicard:
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
-                 seed: int = 0, find_unused_parameters: bool = False, sync_batchnorm: bool = False,
+                 find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
                  loggers: Any = None, log_dir: str | Path = "runs/logs"):
         self.job = job_from_env()
         strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
-        self._strategy, self.precision, self.seed, self.sync_batchnorm = strategy, precision, seed, sync_batchnorm
+        self._strategy, self.precision, self.sync_batchnorm = strategy, precision, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self._skipped: torch.Tensor | None = None
@@ -131,7 +131,7 @@ class Multicard:
                 self.close()
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
-        return launcher.spawn(launched, self._strategy.processes, (self._strategy, self.precision, self.seed,
+        return launcher.spawn(launched, self._strategy.processes, (self._strategy, self.precision,
                                                                       self.sync_batchnorm, fn, args, self.loggers))
 
     def _start(self) -> None:

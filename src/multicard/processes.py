@@ -43,12 +43,12 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
     return strategy
 
 
-def launched(strategy: Strategy, precision: str, seed: int, sync_batchnorm: bool, fn: Callable, args: tuple,
+def launched(strategy: Strategy, precision: str, sync_batchnorm: bool, fn: Callable, args: tuple,
              loggers: list) -> Any:
     """The body of a process that Multicard.launch spawned."""
     from .front import Multicard
 
-    mc = Multicard(strategy, precision=precision, seed=seed, sync_batchnorm=sync_batchnorm,
+    mc = Multicard(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
                    timeout=strategy.timeout_s, loggers=loggers)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)

@@ -65,7 +65,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     for name, data in (("training", train_data), ("test", test_data)):
         if data is not None and len(data) == 0:
             raise UsageError(f"the {name} set is empty: nothing to {'train on' if name == 'training' else 'test'}")
-    mc = Multicard(config.strategy, config.devices, config.precision, seed=config.seed,
+    mc = Multicard(config.strategy, config.devices, config.precision,
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
