@@ -291,8 +291,10 @@ def test_resnet8_with_sync_bn_passes_the_check_and_a_summed_gradient_still_fails
     devices = Devices("cpu", (0, 1))
     right, summed = check(TrainConfig(model="resnet8", data="synthetic", sync_bn=True), steps=3,
                           strategies=[DDP(devices, Job()), SummingDDP(devices, Job())])
-    assert right.ok and right.grad_bound > right.tolerance, right.lines()
-    assert any("first-step gradients" in line and "may differ by up to" in line for line in right.lines())
+    # with the plain loader's data order (issue 22) this batch moves the gradients by 5e-8 only, so the bound is
+    # the tolerance itself here; the raised bound's line shows wherever the nudge moves them further
+    assert right.ok and right.grad_bound >= right.tolerance, right.lines()
+    assert right.grad_bound == right.tolerance or any("may differ by up to" in line for line in right.lines())
     assert not summed.ok and summed.grad_diff > summed.grad_bound and summed.grad_ratio == pytest.approx(2, rel=1e-2)
 
 
