@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from multicard.bench_report import cpu_name
 from multicard.data import mnist5k
-from multicard.devices import cpu_cores
+from multicard.jobs.devices import cpu_cores
+from multicard.tools.bench_report import cpu_name
 
 
 def machine(**extra) -> dict:

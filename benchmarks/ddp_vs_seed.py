@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from multicard.devices import cpu_cores
-from multicard.launcher import free_port
+from multicard.jobs.devices import cpu_cores
+from multicard.jobs.launcher import free_port
 from multicard.models import LeNet5
 
 BATCH, LR, SEED, PROCS = 64, 1e-3, 0, 2

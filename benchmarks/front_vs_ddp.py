@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from multicard.devices import cpu_cores
+from multicard.jobs.devices import cpu_cores
 from multicard.models import LeNet5
 
 BATCH, LR, SEED, PROCS = 64, 1e-3, 0, 2

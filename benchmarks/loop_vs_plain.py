@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multicard
-from multicard.config import TrainConfig
 from multicard.models import LeNet5
-from multicard.recipe import make_optimizer
+from multicard.trainer.config import TrainConfig
+from multicard.trainer.recipe import make_optimizer
 
 BATCH, LR, SEED = 64, 1e-3, 0
 

@@ -63,9 +63,9 @@ import torch
 from _common import machine
 
 import multicard
-from multicard import resume
-from multicard.bench_report import commit
 from multicard.models import LeNet5
+from multicard.tools.bench_report import commit
+from multicard.trainer import resume
 
 SEED = 20240611  # the random instants (and which worker) are reproducible from it
 MC = [sys.executable, "-m", "multicard", "train"]
@@ -401,7 +401,7 @@ def earlier_runs(work: Path, cases: int, rng: random.Random) -> dict:
 PUBLISHER = """
 import os, shutil, signal, sys
 from pathlib import Path
-from multicard.outdir import FILES, Output
+from multicard.trainer.outdir import FILES, Output
 out, point, first = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "first"
 
 def finished(output, tag, events):
@@ -435,7 +435,7 @@ def shown_files(out: Path) -> dict[str, str]:
 
 
 def publish_kills(work: Path) -> list[dict]:
-    from multicard.outdir import FILES, Output
+    from multicard.trainer.outdir import FILES, Output
 
     script = work / "publisher.py"
     script.write_text(PUBLISHER)

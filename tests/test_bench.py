@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
-from multicard import bench
-from multicard.bench_report import SPREAD_LIMIT, derive, markdown, plot, table
 from multicard.errors import UsageError
+from multicard.tools import bench
+from multicard.tools.bench_files import plot
+from multicard.tools.bench_report import SPREAD_LIMIT, derive, markdown, table
 
 TINY = ("--samples", "128", "--batch-size", "32", "--repeats", "2", "--strategies", "single,ddp", "--devices", "1,2",
         "--fast-batch", "64")

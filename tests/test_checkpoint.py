@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from multicard import checkpoint
+from multicard.checkpoints import plain as checkpoint
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 

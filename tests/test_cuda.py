@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import ROOT, cuda, run_cli
-from multicard import memory
-from multicard.bench_report import markdown, table
+from multicard.front import memory
+from multicard.tools.bench_report import markdown, table
 
 SMALL = ["--data", "synthetic", "--synthetic-samples", "512", "--epochs", "2", "--batch-size", "64", "--quiet"]
 HAS_NVML = importlib.util.find_spec("pynvml") is not None

@@ -22,11 +22,11 @@ from torch.utils.data import RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from multicard import data
-from multicard.config import TrainConfig
 from multicard.data import idx, mnist5k, synthetic
 from multicard.data.images import ImageData
 from multicard.data.order import GlobalOrder, Permutation
 from multicard.errors import UsageError
+from multicard.trainer.config import TrainConfig
 
 TRAIN_IMAGES, TRAIN_LABELS = idx.SPLITS["train"]
 TEST_IMAGES, TEST_LABELS = idx.SPLITS["test"]
@@ -581,7 +581,7 @@ def test_auto_device_data_holds_what_fits_in_a_quarter_of_the_cards_free_memory(
 def test_the_trainer_holds_train_and_test_sets_on_a_card_when_both_fit(monkeypatch, capsys, free, held):
     import types
 
-    from multicard.run import held_on_device
+    from multicard.trainer.run import held_on_device
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))  # a card, as CUDA would say
     card = types.SimpleNamespace(device=torch.device("cuda", 0), is_main=True)

@@ -15,12 +15,12 @@ import torch
 
 import multicard
 from conftest import ROOT, sharded, tiny_images
-from multicard import launcher
-from multicard.devices import Devices
-from multicard.dist import Job
+from multicard.jobs import launcher
+from multicard.jobs.devices import Devices
+from multicard.jobs.dist import Job
 from multicard.models import LeNet5
-from multicard.parity import check
 from multicard.strategies.ddp import DDP
+from multicard.tools.parity import check
 
 FAST = dict(quiet=True, augment=False, lr=3e-3, scheduler="step", seed=0)
 

@@ -7,9 +7,9 @@ import tracemalloc
 import pytest
 
 from multicard import strategies
-from multicard.devices import Devices, cpu_cores, max_cpu_processes, parse
-from multicard.dist import Job
 from multicard.errors import UsageError
+from multicard.jobs.devices import Devices, cpu_cores, max_cpu_processes, parse
+from multicard.jobs.dist import Job
 
 
 @pytest.mark.parametrize("text, cards, kind, ids", [

@@ -2,7 +2,7 @@
 
 import re
 
-from multicard.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
+from multicard.jobs.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
 
 
 def test_no_launcher():
@@ -39,7 +39,7 @@ def test_backend_follows_the_device():
 def test_a_rank_failure_crosses_process_boundaries_intact():
     import pickle
 
-    from multicard.launcher import RankFailed
+    from multicard.jobs.launcher import RankFailed
 
     again = pickle.loads(pickle.dumps(RankFailed(3, "Traceback ...\nValueError: x")))
     assert (again.rank, again.trace) == (3, "Traceback ...\nValueError: x")

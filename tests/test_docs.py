@@ -98,7 +98,7 @@ def test_every_command_in_the_docs_is_run_failed_or_skipped_for_a_reason():
 @pytest.mark.parametrize("where, command", [(w, c) for w, c in SHELL if multicard_argv(c) is not None])
 def test_the_flags_of_every_multicard_command_parse_and_validate(where, command):
     from multicard.cli import Parser, given, parser
-    from multicard.config import TrainConfig
+    from multicard.trainer.config import TrainConfig
 
     assert isinstance(parser(), Parser)
     for argv in choices(multicard_argv(command)):

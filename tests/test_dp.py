@@ -12,18 +12,18 @@ import torch
 from torch import nn
 
 from conftest import cuda, run_cli, tiny_images
-from multicard.config import TrainConfig
-from multicard.devices import Devices
-from multicard.dist import Job
 from multicard.errors import UsageError
-from multicard.front import Multicard
-from multicard.loop import accuracy
+from multicard.front.multicard import Multicard
+from multicard.jobs.devices import Devices
+from multicard.jobs.dist import Job
 from multicard.models.lenet import LeNet5
-from multicard.run import worker
 from multicard.strategies import STRATEGIES, choose
 from multicard.strategies.balanced import Balanced, ParallelCriterion, ParallelModel, PerCard, Primitives, rows, split
 from multicard.strategies.dp import DP
 from multicard.strategies.single import Single
+from multicard.trainer.config import TrainConfig
+from multicard.trainer.loop import accuracy
+from multicard.trainer.run import worker
 
 
 def chunk_sizes(n: int, cards: int) -> list[int]:

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher, outcome, slots
-from multicard.dist import Job
 from multicard.errors import UsageError
+from multicard.jobs import dist, launcher, outcome, slots
+from multicard.jobs.dist import Job
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
          "--quiet", "--no-augment"]
@@ -187,7 +187,7 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, runs):
 @pytest.mark.slow
 def test_multicard_run_names_a_frozen_rank(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text("import os, signal\nimport multicard\nfrom multicard import dist\n"
+    script.write_text("import os, signal\nimport multicard\nfrom multicard.jobs import dist\n"
                       "mc = multicard.Multicard(timeout=3)\n"
                       "for step in range(10**6):\n    dist.progress()\n    mc.all_reduce(1.0)\n"
                       "    if step == 20 and mc.rank == 1:\n        os.kill(os.getpid(), signal.SIGSTOP)\n")

@@ -11,10 +11,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 import multicard
 from conftest import cuda, sharded, tiny_images
-from multicard.devices import Devices
 from multicard.errors import UsageError
-from multicard.front import Multicard
-from multicard.prepared import Prepared
+from multicard.front.multicard import Multicard
+from multicard.front.prepared import Prepared
+from multicard.jobs.devices import Devices
 from multicard.strategies.dp import DP
 from multicard.strategies.single import Single
 from test_dp import CPUBalanced

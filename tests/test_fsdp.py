@@ -11,11 +11,11 @@ from torch import nn
 
 import multicard
 from conftest import cuda, tiny_images
-from multicard.config import TrainConfig
 from multicard.errors import UsageError
 from multicard.models import LeNet5, WideMLP
-from multicard.parity import check
 from multicard.strategies.fsdp import units
+from multicard.tools.parity import check
+from multicard.trainer.config import TrainConfig
 
 # 96 samples: 4 steps per epoch
 PLAIN = dict(quiet=True, augment=False, lr=3e-3, scheduler="step", batch_size=24, epochs=2)

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from multicard import dist, launcher, lifeline, models, outcome, slots
+from multicard import models
 from multicard.data import idx
-from multicard.dist import Job, job_from_env, rendezvous_env
 from multicard.errors import UsageError
+from multicard.jobs import dist, launcher, lifeline, outcome, slots
+from multicard.jobs.dist import Job, job_from_env, rendezvous_env
 from test_faults import JOB_VARIABLES, clean_env
 
 
@@ -159,7 +160,7 @@ def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path
 # -- orphans ---------------------------------------------------------------------------------------------------
 def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
     """A rank's DataLoader workers (forked) end with the rank, however it ends: SIGKILL here."""
-    code = ("import os, sys, time\nfrom multicard import lifeline\nlifeline.tie_forks()\n"
+    code = ("import os, sys, time\nfrom multicard.jobs import lifeline\nlifeline.tie_forks()\n"
             "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"
             "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,

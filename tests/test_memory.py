@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from multicard import models
-from multicard.launcher import free_port
-from multicard.memory import shard_bytes
+from multicard.front.memory import shard_bytes
+from multicard.jobs.launcher import free_port
 from multicard.models.wide_mlp import WideMLP
 
 

@@ -14,10 +14,11 @@ import torch
 
 import multicard
 from conftest import shown, tiny_images
-from multicard import resume, shards
+from multicard.checkpoints import shards
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.outdir import FILES, Output
+from multicard.trainer import resume
+from multicard.trainer.outdir import FILES, Output
 
 LIGHT = dict(quiet=True, batch_size=24, strategy="single", devices="cpu")  # 96 samples: 4 steps per epoch
 
@@ -304,7 +305,7 @@ def test_an_out_out_of_space_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
-    from multicard import checkpoint
+    from multicard.checkpoints import plain as checkpoint
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -17,11 +17,11 @@ import torch
 import multicard
 from conftest import shown, tiny_images
 from multicard.cli import main
-from multicard.config import TrainConfig
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.observe import Progress, curves, straggler
-from multicard.outdir import FILES, Output
+from multicard.trainer.config import TrainConfig
+from multicard.trainer.observe import Progress, curves, straggler
+from multicard.trainer.outdir import FILES, Output
 
 # 96 samples, 16 per step: 6 optimizer steps per epoch
 TINY = dict(strategy="single", devices="cpu", epochs=2, batch_size=16, lr=4e-3, augment=False, quiet=True, seed=0)

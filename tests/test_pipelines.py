@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 import multicard
 from conftest import ROOT
-from multicard.parts import part, samples
+from multicard.data.parts import part, samples
 
 
 class Pairs(Dataset):

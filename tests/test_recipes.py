@@ -16,15 +16,15 @@ from torch.utils.data import DataLoader
 
 import multicard
 from conftest import run_cli, tiny_images
-from multicard.config import TrainConfig
-from multicard.devices import Devices
-from multicard.dist import Job
 from multicard.errors import UsageError
-from multicard.front import Multicard
+from multicard.front.multicard import Multicard
+from multicard.jobs.devices import Devices
+from multicard.jobs.dist import Job
 from multicard.models import LeNet5
-from multicard.parity import check
 from multicard.strategies.ddp import DDP
 from multicard.strategies.single import Single
+from multicard.tools.parity import check
+from multicard.trainer.config import TrainConfig
 from test_dp import CPUBalanced
 from test_front import CPUDP
 
@@ -111,8 +111,8 @@ def test_accumulation_in_a_users_loop_matches_whole_batches():
 ])
 def test_the_optimizer_flags_build_that_optimizer(tmp_path, options, expected, monkeypatch):
     seen = []
-    real = multicard.run.make_optimizer
-    monkeypatch.setattr(multicard.run, "make_optimizer", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = multicard.trainer.run.make_optimizer
+    monkeypatch.setattr(multicard.trainer.run, "make_optimizer", lambda *a: seen.append(real(*a)) or seen[-1])
     train(tmp_path, epochs=1, scheduler="none", **options)  # onecycle would set its own momentum and rate
     name, key, value = expected
     assert type(seen[0]).__name__ == name and seen[0].param_groups[0][key] == value
@@ -315,7 +315,7 @@ def test_the_check_refuses_a_tolerance_that_is_no_bound(tolerance):
     (dict(optimizer="sgd"), 1, 256, None),
 ])
 def test_the_auto_recipe_settles_batch_and_rate_for_the_job(given, processes, batch, lr):
-    from multicard.config import BATCH, LR
+    from multicard.trainer.config import BATCH, LR
     config = TrainConfig(**given).settled(processes)
     expected = lr if lr is not None and "lr" in given else LR[config.optimizer] * math.sqrt(batch / BATCH)
     assert config.batch_size == batch and config.lr == pytest.approx(expected)
@@ -326,7 +326,7 @@ def test_the_auto_recipe_settles_batch_and_rate_for_the_job(given, processes, ba
 def test_the_auto_batch_splits_where_a_fixed_one_would_not(tmp_path):
     summary, _ = train(tmp_path, epochs=1, strategy="ddp", devices="cpu:3")
     assert summary["global_batch_size"] == 255 and summary["per_process_batch_size"] == 85
-    assert summary["config"]["lr"] == pytest.approx(multicard.config.LR["adam"] * math.sqrt(255 / 256))
+    assert summary["config"]["lr"] == pytest.approx(multicard.trainer.config.LR["adam"] * math.sqrt(255 / 256))
 
 
 def test_auto_and_numbers_on_the_command_line():

@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader
 
 import multicard
 from conftest import ROOT, shown, tiny_images
-from multicard import resume
 from multicard.errors import UsageError
-from multicard.launcher import RankFailed
+from multicard.jobs.launcher import RankFailed
 from multicard.models import LeNet5
-from multicard.outdir import Output
-from multicard.report import strict
+from multicard.trainer import resume
+from multicard.trainer.outdir import Output
+from multicard.trainer.report import strict
 
 LIGHT = dict(quiet=True, lr=3e-3, batch_size=24, epochs=3)  # 96 samples: 4 steps per epoch, 12 in all
 
@@ -168,7 +168,7 @@ class DiesOnce(LeNet5):
 
 @pytest.mark.slow
 def test_torchrun_restarts_go_on_from_the_newest_checkpoint_with_resume_auto(tmp_path):
-    from multicard.launcher import free_port
+    from multicard.jobs.launcher import free_port
 
     (tmp_path / "dies.py").write_text(DIES_ONCE.format(marker=str(tmp_path / "died")))
     job = ["--data", "synthetic", "--synthetic-samples", "480", "--batch-size", "48", "--epochs", "3", "--quiet",
@@ -376,8 +376,8 @@ def test_a_plain_state_dict_is_saved_plain(tmp_path):
 
 
 def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
-    from multicard.config import TrainConfig
-    from multicard.resume import inherit
+    from multicard.trainer.config import TrainConfig
+    from multicard.trainer.resume import inherit
 
     path = tmp_path / "state.pt"
     torch.save({"config": {"batch_size": 256, "lr": 0.008, "epochs": 2}, "loader": {"epoch": 0, "samples": 768},

@@ -13,11 +13,11 @@ import torch
 import multicard
 from conftest import run_cli, shown, tiny_images
 from multicard.cli import main
-from multicard.config import TrainConfig, idle
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.observe import curves
-from multicard.report import Report
+from multicard.trainer.config import TrainConfig, idle
+from multicard.trainer.observe import curves
+from multicard.trainer.report import Report
 
 FAST = {"OMP_NUM_THREADS": "1"}
 SMALL = dict(strategy="single", devices="cpu", quiet=True, batch_size=24, epochs=2)  # 96 samples: 4 steps/epoch
@@ -47,7 +47,7 @@ def test_resuming_a_finished_run_says_so_and_writes_its_files_again(cosine, caps
 
 
 def test_a_bare_resume_takes_the_whole_recipe(cosine, tmp_path):
-    config = multicard.resume.inherit(multicard.resume.resolve("auto", cosine), TrainConfig())
+    config = multicard.trainer.resume.inherit(multicard.trainer.resume.resolve("auto", cosine), TrainConfig())
     assert (config.optimizer, config.scheduler, config.epochs, config.save_every, config.lr) == \
         ("sgd", "cosine", 2, 1, 0.05)
 
@@ -102,7 +102,7 @@ def epoch(n: int, seconds: list[float]) -> dict:
 
 
 def test_a_straggler_is_named_only_when_it_lags_in_seconds_too(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("multicard.devices.cpu_cores", lambda: 8)
+    monkeypatch.setattr("multicard.jobs.devices.cpu_cores", lambda: 8)
     report = Report(tmp_path, TrainConfig(epochs=3))
     report.epoch([epoch(1, [0.10, 0.13])])  # +30%, 0.03 s: noise
     assert "straggler" not in capsys.readouterr().out
@@ -111,7 +111,7 @@ def test_a_straggler_is_named_only_when_it_lags_in_seconds_too(tmp_path, monkeyp
 
 
 def test_more_processes_than_cores_say_so_once_instead(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("multicard.devices.cpu_cores", lambda: 2)
+    monkeypatch.setattr("multicard.jobs.devices.cpu_cores", lambda: 2)
     report = Report(tmp_path, TrainConfig(epochs=4))
     history = []
     for n, seconds in enumerate(([10.0, 10, 10, 19], [19.0, 10, 10, 10], [10.0, 19, 10, 10]), 1):

@@ -12,11 +12,11 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import multicard
-import multicard.run
+import multicard.trainer.run
 from conftest import shown, tiny_images
-from multicard.config import TrainConfig
 from multicard.errors import UsageError
 from multicard.models import LeNet5
+from multicard.trainer.config import TrainConfig
 
 EPOCH_KEYS = {"epoch", "train_loss", "test_loss", "test_accuracy", "lr", "samples_per_s", "seconds"}
 SUMMARY_KEYS = {"strategy", "world_size", "devices", "epochs", "global_batch_size", "test_accuracy", "test_samples",
@@ -266,14 +266,14 @@ class Flat(nn.Module):
 @pytest.mark.parametrize("model, given, used", [(LeNet5, None, True), (LeNet5, False, False), (Flat, None, False)])
 def test_channels_last_is_on_for_the_built_in_conv_models_only(tmp_path, monkeypatch, model, given, used):
     formats = []
-    real = multicard.run.make_optimizer
+    real = multicard.trainer.run.make_optimizer
 
     def spy(params, *rest):
         formats.extend(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
                        for p in params if p.dim() == 4 and p.shape[1] > 1)  # (one channel: both layouts agree)
         return real(params, *rest)
 
-    monkeypatch.setattr(multicard.run, "make_optimizer", spy)
+    monkeypatch.setattr(multicard.trainer.run, "make_optimizer", spy)
     torch.manual_seed(0)
     trained = model()
     summary = multicard.train(trained, tiny_images(64, 0), tiny_images(20, 1), out=str(tmp_path),

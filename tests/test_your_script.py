@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from multicard.collectives import bounds
 from multicard.errors import UsageError
-from multicard.front import Multicard
+from multicard.front.collectives import bounds
+from multicard.front.multicard import Multicard
 
 
 class Coder(nn.Module):
@@ -266,7 +266,7 @@ TORCHRUN_SCRIPT = """
 import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-from multicard.front import Multicard
+from multicard.front.multicard import Multicard
 from test_your_script import script_job
 
 dist.init_process_group("gloo")  # nanoGPT's habit: the script joins the group itself

@@ -6,9 +6,9 @@ The names below load on first use, so that `multicard --help` does not wait for 
 from importlib import import_module
 
 __version__ = "0.1.0"
-_HOME = {"Multicard": "front", "launch": "front", "train": "run", "TrainConfig": "config", "UsageError": "errors",
-         "save": "checkpoint", "load": "checkpoint", "MODELS": "models", "register": "models",
-         "STRATEGIES": "strategies"}
+_HOME = {"Multicard": "front.multicard", "launch": "front.multicard", "train": "trainer.run",
+         "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.plain",
+         "load": "checkpoints.plain", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
 __all__ = sorted(_HOME)
 
 

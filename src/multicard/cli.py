@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields
 from typing import Any
 
-from .config import STRATEGIES, TrainConfig
 from .errors import UsageError
+from .trainer.config import STRATEGIES, TrainConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -105,8 +105,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from . import data, models
-    from .resume import inherit, resolve
-    from .run import train
+    from .trainer.resume import inherit, resolve
+    from .trainer.run import train
 
     flags = given(args)
     config = TrainConfig(**flags)
@@ -129,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .parity import check
+    from .tools.parity import check
 
     results = check(config_from(args), args.steps, args.tolerance)  # only the flags check uses are taken
     for result in results:
@@ -148,9 +148,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"run: no such script {args.script}")
     from . import strategies
-    from .devices import select
-    from .dist import job_from_env
-    from .launcher import job_choice, run_command
+    from .jobs.devices import select
+    from .jobs.dist import job_from_env
+    from .jobs.launcher import job_choice, run_command
 
     job = job_from_env()
     if job.launched:
@@ -169,7 +169,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .dist import job_from_env
+    from .jobs.dist import job_from_env
 
     print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
     print(f"CUDA available: {torch.cuda.is_available()}, cards: {torch.cuda.device_count()}")
@@ -213,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(run=cmd_run)
     e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
     e.set_defaults(run=cmd_env)
-    from . import bench
+    from .tools import bench
 
     b = sub.add_parser("bench", help="the strategies side by side, against the seeds' plain loop: table, "
                        "bench.json, bench.md, bench.png")
@@ -224,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .launcher import RankFailed, Stopped, said
+    from .jobs.launcher import RankFailed, Stopped, said
 
     try:
         return args.run(args)

@@ -22,9 +22,10 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from .. import lifeline
-from ..dist import progress
 from ..errors import UsageError
+from ..jobs import lifeline
+from ..jobs.devices import to_device
+from ..jobs.dist import progress
 from .images import ImageData
 from .order import Agree, GlobalOrder, Permutation, ShardSampler, base_seed
 from .pipelines import Split, read_whole
@@ -262,14 +263,3 @@ def on_card(tensors: Iterable[torch.Tensor], device: torch.device, free: int | N
     return False, (f"the data ({size / 2**20:,.1f} MB) is more than a quarter of {device}'s free memory "
                    f"({free / 2**20:,.1f} MB): its batches are copied from host memory each step "
                    f"(--device-data puts it on the card anyway)")
-
-
-def to_device(batch, device: torch.device):
-    """Move a tensor, or any tuple / list / dict of them, to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..errors import UsageError
-from ..parts import part, samples
 from .order import Agree, same_everywhere
+from .parts import part, samples
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Models by name. Add your own with `@register("name")` on a class or a function that returns a module.
+"""Models by name (this layer imports errors.py only). Add your own with `@register("name")` on a class or a
+function that returns a module.
 
 A model class may say what one sample looks like (`input_shape = (C, H, W)`); synthetic data follows it.
 """

@@ -1,10 +1,11 @@
-"""Strategies by name, and the choice of one for a config and a machine."""
+"""Strategies by name, and the choice of one for a config and a machine: base + one small file per strategy.
+A strategy wraps the model and the criterion and holds the collectives. May import errors and jobs only."""
 
 from __future__ import annotations
 
-from ..devices import Devices
-from ..dist import Job
 from ..errors import UsageError
+from ..jobs.devices import Devices
+from ..jobs.dist import Job
 from .balanced import Balanced
 from .base import Strategy
 from .ddp import DDP

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
-from ..data.loaders import to_device
+from ..jobs.devices import to_device
 from .dp import DP
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import Devices
-from ..dist import Job
 from ..errors import UsageError
+from ..jobs.devices import Devices
+from ..jobs.dist import Job
 
 
 class Strategy:

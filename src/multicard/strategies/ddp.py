@@ -11,10 +11,10 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import dist
-from ..devices import cpu_cores
-from ..dist import Job
 from ..errors import UsageError
+from ..jobs import dist
+from ..jobs.devices import cpu_cores
+from ..jobs.dist import Job
 from . import syncbn
 from .base import Strategy
 

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from ..errors import UsageError
 from . import lifeline
-from .errors import UsageError
+from .lifeline import inherited
 from .slots import hook_failures, progress, progress_slot, slot_timed_out
 
-LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # and here themselves: a process whose parent is not that one is no rank
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
@@ -62,12 +62,6 @@ def job_from_env(env=os.environ) -> Job:
                    "slurm")
     return Job()
 
-
-def inherited(env=os.environ) -> bool:
-    """Whether the job in `env` was started by multicard but not for this process: its launcher is not our
-    parent (a rank's own child, or a shell under it, finds the variables too)."""
-    return env.get("MULTICARD_LAUNCHER") == "multicard" and env.get(LAUNCHER_PID, str(os.getppid())) != \
-        str(os.getppid())
 
 
 def _number(env, name: str, least: int, default: int | None = None) -> int:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
+from ..front.multicard import Multicard
 from .config import TrainConfig
-from .errors import UsageError
-from .front import Multicard
 from .outdir import MARK
 from .report import say
 

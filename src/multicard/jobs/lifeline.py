@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
+LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # our launcher names itself here: a process whose parent it is not is no rank
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
 _parent: int | None = None  # the launcher this rank belongs to, once watched
@@ -80,3 +81,10 @@ def end_if_orphaned(rank: int) -> None:
         print(f"multicard: rank {rank}: its launcher (pid {_parent}) is gone; this rank ends", file=sys.stderr,
               flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inherited(env=os.environ) -> bool:
+    """Whether the job in `env` was started by multicard but not for this process: its launcher is not our
+    parent (a rank's own child, or a shell under it, finds the variables too)."""
+    return env.get("MULTICARD_LAUNCHER") == "multicard" and env.get(LAUNCHER_PID, str(os.getppid())) != \
+        str(os.getppid())

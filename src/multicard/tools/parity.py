@@ -22,14 +22,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import data, models
-from .config import TrainConfig
-from .data.images import ImageData
-from .devices import select
-from .errors import UsageError
-from .front import Multicard, launch
-from .strategies import Strategy
-from .strategies.fsdp import full
+from .. import data, models
+from ..data.images import ImageData
+from ..errors import UsageError
+from ..front.multicard import Multicard, launch
+from ..jobs.devices import select
+from ..strategies import Strategy
+from ..strategies.fsdp import full
+from ..trainer.config import TrainConfig
 
 CHECK_BATCH = 64  # the global batch of the check where --batch-size is auto
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 from .report import say
 
 FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..data.images import ImageData
+from ..errors import UsageError
+from ..front.memory import shard_bytes
+from ..front.multicard import Multicard
 from . import resume as resume_module
 from .config import TrainConfig
-from .data.images import ImageData
-from .errors import UsageError
-from .front import Multicard
-from .memory import shard_bytes
 from .observe import Progress, straggler
 from .report import say
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from .dist import check_timeout
-from .errors import UsageError
-from .observe import need_tensorboard
+from ..errors import UsageError
+from ..front.loggers import need_tensorboard
+from ..jobs.dist import check_timeout
 
 
 def opt(default, help: str, **meta):

@@ -2,10 +2,11 @@
 
 The seeds' four changes, each one line: start the processes (`mc.launch(fn)`, `multicard run script.py`, or
 torchrun), join the process group (here, on first use), wrap the model (`mc.setup`), shard the data
-(`mc.setup_dataloader`). Our own trainer (loop.py) is written on this object and nothing else.
+(`mc.setup_dataloader`). Our own trainer (trainer/loop.py) is written on this object and nothing else.
 
 The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
-spawned processes; prepared.py: the set-up model; precision.py; collectives.py; saving.py: checkpoints).
+spawned processes; prepared.py: the set-up model; precision.py; between.py and collectives.py: parts and
+collectives; saving.py: checkpoints; loggers.py; memory.py).
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import collectives, launcher, memory, observe, parts, saving
-from .data.loaders import Sharded, shard
-from .dist import job_from_env
-from .errors import UsageError
+from ..data.loaders import Sharded, shard
+from ..errors import UsageError
+from ..jobs import launcher
+from ..jobs.dist import job_from_env
+from ..strategies import Strategy
+from . import memory
+from .between import Between
+from .loggers import make_loggers
 from .precision import PRECISIONS, autocast, step_through_scaler
 from .prepared import Prepared
 from .processes import launched, make_strategy
-from .strategies import Strategy
+from .saving import Checkpoints
 
 
-class Multicard:
+class Multicard(Between, Checkpoints):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -63,7 +68,7 @@ class Multicard:
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self._skipped: torch.Tensor | None = None
         self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
-        self.loggers: list = observe.make_loggers(loggers, log_dir)
+        self.loggers: list = make_loggers(loggers, log_dir)
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -131,7 +136,7 @@ class Multicard:
                 self.close()
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
-        return launcher.spawn(launched, self._strategy.processes, (self._strategy, self.precision,
+        return launcher.spawn(launched, self._strategy.processes, (type(self), self._strategy, self.precision,
                                                                       self.sync_batchnorm, fn, args, self.loggers))
 
     def _start(self) -> None:
@@ -230,23 +235,6 @@ class Multicard:
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
                      device_data=device_data, accumulate=accumulate)
 
-    # -- this process's part (parts.py) -----------------------------------------------------------------------
-    def local(self, batch: Any, dim: int = 0) -> Any:
-        """This process's contiguous part of a global batch that every process built alike (e.g. by hand from
-        one long tensor: mc.local(batchify(data, 20), dim=1) keeps its columns): a tensor, a list of per-sample
-        values, or dicts / lists / tuples of them, cut along `dim`; parts differ by at most one sample."""
-        self._start()
-        return parts.part(batch, self.rank, self.world_size, dim)
-
-    def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
-        """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,
-        e.g. a GAN's for the global batch), this process keeping its part along `dim`."""
-        self._start()
-        return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
-
-    def seed_per_process(self, seed: int) -> int:
-        """Seed torch, `random` and numpy with seed + rank: streams that differ between processes; returns it."""
-        return parts.seed_per_process(seed, self.rank)
 
     def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:
         """data/order.py's Agree: rank 0's `value`, or the element-wise max, on every process."""
@@ -306,93 +294,6 @@ class Multicard:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
         return autocast(self.device.type, self.precision)
-
-    # -- between processes (collectives.py) -------------------------------------------------------------------
-    def all_reduce(self, value: Any, op: str = "sum") -> Any:
-        """`value` (a tensor, a number, or dicts / lists / tuples of them) combined over all processes: sum,
-        mean, max or min. New tensors, on the device each value was on, in `value`'s structure. Every process
-        must pass the same structure, shapes and dtypes; MULTICARD_CHECK_SHAPES=1 (a debugging switch: one extra
-        collective a call) checks that and names a mismatch, which otherwise may come back silently reshaped."""
-        self._start()
-        return collectives.all_reduce(self._strategy, value, op)
-
-    def gather(self, obj: Any) -> list:
-        """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order, on
-        every process."""
-        self._start()
-        return collectives.gather(self._strategy, obj)
-
-    def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
-        """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
-        shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
-        DistributedSampler's padding. See collectives.gather_in_order."""
-        self._start()
-        return collectives.gather_in_order(self._strategy, outputs, total)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Process `src`'s `obj` (a tensor, or anything picklable) on every process."""
-        self._start()
-        return collectives.broadcast(self._strategy, obj, src)
-
-    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager:
-        """`with mc.rank_zero_first():` rank 0 runs the body (download, preprocess, build a cache) while the
-        others wait; then they run it. local=True: the first process of each machine goes first."""
-        self._start()
-        return collectives.rank_zero_first(self._strategy, local)
-
-    def split(self, inputs: Any) -> Any:
-        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), e.g. for
-        inference; parts differ by at most one item. mc.gather(outputs) puts them back in order (concatenate)."""
-        self._start()
-        return collectives.split(self._strategy, inputs)
-
-    def barrier(self) -> None:
-        self._start()
-        self._strategy.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on rank 0 only."""
-        if self.is_main:
-            print(*args, **kwargs, flush=True)
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Write {name: number} (numbers or one-element tensors) at `step` to this object's loggers, on rank 0;
-        elsewhere, or without loggers, nothing (no collective: call it where you like). Names with a slash
-        group in TensorBoard ("train/loss")."""
-        if not self.loggers or not self.is_main:
-            return
-        values = observe.scalars(metrics)
-        for logger in self.loggers:
-            logger.log(values, int(step))
-
-    # -- checkpoints (saving.py) -----------------------------------------------------------------------------
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
-        the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
-        self._start()
-        return saving.state_dict(self, model)
-
-    def save(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
-        resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
-        this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
-        random). Rank 0 writes `path`, each other rank its random streams beside it (state.rank1.pt, a few
-        KB), each file atomically. Call it on every rank after an optimizer step; no rank waits for another,
-        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load).
-        Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
-        a folder beside `path`, so there every rank must call it."""
-        self._start()
-        saving.save(self, path, state)
-
-    def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
-        process, and restore the random streams and the gradient scaler; plain values in `state` are
-        replaced. Returns the file's entries that were not restored into an object (e.g. {"epoch": 3});
-        without `state`, everything. Read with weights_only=True. On another number of processes the data
-        order goes on where it stopped (same global batch; fsdp's shards are resharded), and dropout's random
-        streams start afresh (the built-in datasets' augmentation is keyed by sample and goes on)."""
-        self._start()
-        return saving.load(self, path, state)
 
     # -- memory ----------------------------------------------------------------------------------------------
     def peak_memory_mb(self) -> list[float]:

@@ -10,12 +10,12 @@ from typing import Any
 
 from torch import nn
 
-from . import strategies
-from .devices import select
-from .dist import Job, check_timeout
-from .errors import UsageError
+from .. import strategies
+from ..errors import UsageError
+from ..jobs.devices import select
+from ..jobs.dist import Job, check_timeout
+from ..strategies import Strategy
 from .precision import PRECISIONS
-from .strategies import Strategy
 
 
 def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: Job, *, find_unused_parameters: bool,
@@ -43,12 +43,11 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
     return strategy
 
 
-def launched(strategy: Strategy, precision: str, sync_batchnorm: bool, fn: Callable, args: tuple,
+def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bool, fn: Callable, args: tuple,
              loggers: list) -> Any:
-    """The body of a process that Multicard.launch spawned."""
-    from .front import Multicard
-
-    mc = Multicard(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
+    """The body of a process that Multicard.launch spawned: `front` is the Multicard class (handed in, as the
+    class imports this module)."""
+    mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
                    timeout=strategy.timeout_s, loggers=loggers)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)

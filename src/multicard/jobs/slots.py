@@ -12,7 +12,8 @@ import struct
 import sys
 import time
 
-from .errors import UsageError
+from ..errors import UsageError
+from .lifeline import inherited
 
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
 # that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
@@ -90,7 +91,7 @@ def progress_slot() -> memoryview | list[float]:
     if _slot is None:
         slot: memoryview | list[float] = [0.0, 0.0, 0.0]
         path = os.environ.get(PROGRESS)
-        if path and not _inherited():
+        if path and not inherited():
             mapped = _map_slot(path)
             if mapped is None:
                 print(f"multicard: {PROGRESS}={path} is not a progress file a multicard launcher made; ignored",
@@ -134,10 +135,3 @@ def read_slot(path: str) -> tuple[float, float, float]:
     except (OSError, struct.error):
         return 0.0, 0.0, 0.0
     return last, timeout, state
-
-
-def _inherited() -> bool:
-    from .dist import inherited  # dist reads the job from the environment, and imports this module
-
-    return inherited()
-

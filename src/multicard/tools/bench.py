@@ -7,7 +7,8 @@ at the first optimizer step): the whole model under ddp, 1/N of it under fsdp. E
 plus --repeats timed epochs, with the clock read after synchronizing the cards; the median epoch is reported, and
 the spread of the timed epochs beside it. The machine's 1-minute load average is read before and after each cell:
 on a shared machine other work takes cores from a cell, and the report says so rather than print its numbers as if
-the machine were quiet. The report (table, bench.json, bench.md, bench.png) is written by bench_report.py.
+the machine were quiet. The report (table, bench.json, bench.md, bench.png) comes from bench_report.py and
+bench_files.py.
 
 No torch at module level: the CLI imports this module to build its flags, and `multicard --help` must be fast.
 """
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
 ON_CARDS = ("single", "dp", "dp-balanced", "ddp", "fsdp")
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def machine() -> tuple[int, int]:
     """(CUDA cards, CPU cores) of this machine, counted without starting CUDA."""
-    from .devices import count_cards, cpu_cores
+    from ..jobs.devices import count_cards, cpu_cores
 
     return count_cards()[0], cpu_cores()
 
@@ -144,7 +145,7 @@ def _quiet(folder: Path) -> None:
 def _data(spec: dict):
     import torch
 
-    from . import data, models
+    from .. import data, models
 
     torch.manual_seed(spec["seed"])  # the same initial weights in every cell
     model = models.build(spec["model"])
@@ -155,7 +156,7 @@ def _data(spec: dict):
 
 def run_cell(spec: dict) -> dict:
     """One strategy cell: multicard.train, its per-epoch rates read back from metrics.jsonl."""
-    from .run import train
+    from ..trainer.run import train
 
     out = Path(spec["out"])
     _quiet(out)
@@ -178,7 +179,7 @@ def run_seed_loop(spec: dict) -> dict:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from . import memory
+    from ..front import memory
 
     _quiet(Path(spec["out"]))
     model, train_data = _data(spec)
@@ -274,7 +275,8 @@ def announce(cell: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import bench_report, models
+    from .. import models
+    from . import bench_files, bench_report
 
     if args.model not in models.MODELS:
         raise UsageError(f"--model {args.model}: unknown; choose one of {', '.join(sorted(models.MODELS))}")
@@ -284,6 +286,6 @@ def run(args: argparse.Namespace) -> int:
     results = sweep(args, cells, cards, cores)
     report = bench_report.build(args, results, cards, cores, time.perf_counter() - begin)
     print(bench_report.table(report))
-    for path in bench_report.write(report, Path(args.out)):
+    for path in bench_files.write(report, Path(args.out)):
         print(f"bench: wrote {path}")
     return 0

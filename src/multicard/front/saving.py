@@ -2,28 +2,27 @@
 (models unwrapped, optimizers, schedulers, set-up loaders, plain values) plus what the Multicard itself
 restores: its save count, the fp16 gradient scaler and every process's random streams.
 
-The functions take the Multicard (`mc`) as their first argument; front.py's methods are one line each.
+The functions take the Multicard (`mc`) as their first argument (not imported here: multicard.py imports
+this module); its methods are one line each.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import checkpoint, shards
-from .errors import UsageError
-
-if TYPE_CHECKING:
-    from .front import Multicard
+from ..checkpoints import plain as checkpoint
+from ..checkpoints import shards
+from ..errors import UsageError
 
 OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
-def state_dict(mc: Multicard, model: nn.Module) -> dict[str, torch.Tensor]:
+def state_dict(mc: Any, model: nn.Module) -> dict[str, torch.Tensor]:
     module = mc.unwrap(model)
     return mc._strategy.model_state(module) if mc.sharded else checkpoint.plain_state(module)
 
@@ -35,7 +34,7 @@ def _checked(what: str, state: Any) -> None:
                          f"objects; e.g. mc.{what}(path, {{'model': model, 'optimizer': optimizer}})")
 
 
-def save(mc: Multicard, path: str | Path, state: dict[str, Any]) -> None:
+def save(mc: Any, path: str | Path, state: dict[str, Any]) -> None:
     _checked("save", state)
     path = Path(path)
     if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
@@ -56,7 +55,7 @@ def save(mc: Multicard, path: str | Path, state: dict[str, Any]) -> None:
         checkpoint.write_atomic({**own, "rank": mc.rank}, checkpoint.rank_file(path, mc.rank))
 
 
-def load(mc: Multicard, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
     if state is not None:
         _checked("load", state)
     path = Path(path)
@@ -81,7 +80,7 @@ def load(mc: Multicard, path: str | Path, state: dict[str, Any] | None = None) -
     return raw
 
 
-def _load_module(mc: Multicard, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def _load_module(mc: Any, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """A whole state_dict into a set-up model: under fsdp into its shards."""
     if mc.sharded:
         mc._strategy.load_model_state(mc.unwrap(module), state)
@@ -89,7 +88,7 @@ def _load_module(mc: Multicard, module: nn.Module, state: dict[str, torch.Tensor
         module.load_state_dict(state)
 
 
-def _restore(mc: Multicard, path: Path, own: dict[str, Any]) -> None:
+def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
     """The scaler, the save count, and this rank's random streams where they were saved."""
     mc._saves = own["save"]
     if mc.scaler is not None and "scaler" in own:
@@ -111,3 +110,34 @@ def _restore(mc: Multicard, path: Path, own: dict[str, Any]) -> None:
               f"streams start afresh", file=sys.stderr, flush=True)
         return
     checkpoint.set_rng_state(part["rng"])
+
+class Checkpoints:
+    """Methods of Multicard: its checkpoints (uses its _start() and what the functions above read)."""
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
+        the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
+        self._start()
+        return state_dict(self, model)
+
+    def save(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
+        resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
+        this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
+        random). Rank 0 writes `path`, each other rank its random streams beside it (state.rank1.pt, a few
+        KB), each file atomically. Call it on every rank after an optimizer step; no rank waits for another,
+        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load).
+        Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
+        a folder beside `path`, so there every rank must call it."""
+        self._start()
+        save(self, path, state)
+
+    def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
+        process, and restore the random streams and the gradient scaler; plain values in `state` are
+        replaced. Returns the file's entries that were not restored into an object (e.g. {"epoch": 3});
+        without `state`, everything. Read with weights_only=True. On another number of processes the data
+        order goes on where it stopped (same global batch; fsdp's shards are resharded), and dropout's random
+        streams start afresh (the built-in datasets' augmentation is keyed by sample and goes on)."""
+        self._start()
+        return load(self, path, state)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ..errors import UsageError
 from .config import TrainConfig
-from .errors import UsageError
 
 
 def make_optimizer(params: list, config: TrainConfig, given: Any = None) -> Optimizer:

@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -122,3 +122,17 @@ def select(text: str) -> Devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i].strip() for i in devices.ids)
         devices = Devices("cuda", tuple(range(devices.count)), devices.note)
     return devices
+
+
+def to_device(batch, device):
+    """Move a tensor, or any tuple / list / dict of them, to `device` (a torch.device)."""
+    import torch  # on use: the CLI reads this module before torch is needed
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+

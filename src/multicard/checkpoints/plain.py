@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a filesystem out of space, inodes or quota: a line, not a traceback
 PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch.compile put before every key

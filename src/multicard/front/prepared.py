@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import unprefixed
-from .errors import UsageError
+from ..checkpoints.plain import unprefixed
+from ..errors import UsageError
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step

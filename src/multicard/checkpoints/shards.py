@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def folder(path: Path, save: int) -> Path:

@@ -14,15 +14,14 @@ from typing import Any
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
-    """collectives.bounds: [start, stop) of rank's part (imported on use: collectives imports the strategies,
-    which import the loaders, which cut batches with this module)."""
-    from .collectives import bounds as cut
-
-    return cut(size, rank, world)
+    """[start, stop) of rank's part of `size` items: the first size % world ranks take one more."""
+    base, extra = divmod(size, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
 
 
 def _is_structure(items: list | tuple) -> bool:

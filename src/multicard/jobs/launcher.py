@@ -25,14 +25,12 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import dist, lifeline, slots
-from .errors import UsageError
+from ..errors import UsageError
+from . import lifeline, slots
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
-if TYPE_CHECKING:
-    from .strategies import Strategy
 
 class RankFailed(Exception):
     """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
@@ -77,12 +75,12 @@ def store():
 
 def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 0) -> dict[str, str]:
     """What a process of a job started here finds in its environment: torchrun's variables, the store, the
-    launcher's pid (a process whose parent it is not is no rank: see dist.inherited) and (given the job's folder)
+    launcher's pid (a process whose parent it is not is no rank: see lifeline.inherited) and (given the job's folder)
     the file where it shows its progress."""
     env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
-    env[dist.LAUNCHER_PID] = str(launcher or os.getpid())
+    env[lifeline.LAUNCHER_PID] = str(launcher or os.getpid())
     if folder:
         env[slots.PROGRESS] = slot_path(folder, rank)
     return env
@@ -290,8 +288,9 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def relaunch(strategy: Strategy) -> None:
-    """Run this script again as each rank of a job, wait, and end this process with their exit code."""
+def relaunch(strategy: Any) -> None:
+    """Run this script again as each rank of a job, wait, and end this process with their exit code. `strategy`:
+    the Strategy (its name, processes and devices; a layer above this one, so not imported here)."""
     if not sys.argv or sys.argv[0] in ("", "-c") or not getattr(sys.modules["__main__"], "__file__", None):
         raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
                          f"{strategy.processes} processes: put the work in fn(mc) and call mc.launch(fn), or "
@@ -300,7 +299,7 @@ def relaunch(strategy: Strategy) -> None:
     sys.exit(run_command(command, strategy.processes, job_choice(strategy)))
 
 
-def job_choice(strategy: Strategy) -> dict[str, str]:
+def job_choice(strategy: Any) -> dict[str, str]:
     """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
     CUDA_VISIBLE_DEVICES to the chosen cards already)."""
     return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}

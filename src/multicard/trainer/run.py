@@ -19,15 +19,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from . import checkpoint, lifeline
+from ..checkpoints import plain as checkpoint
+from ..data.loaders import on_card
+from ..errors import UsageError
+from ..front.loggers import TensorBoardLogger
+from ..front.memory import MB
+from ..front.multicard import Multicard
+from ..jobs import lifeline
+from ..jobs.launcher import RankFailed, said
 from .config import TrainConfig, idle
-from .data.loaders import on_card
-from .errors import UsageError
-from .front import Multicard
-from .launcher import RankFailed, said
 from .loop import accuracy, fit
-from .memory import MB
-from .observe import TensorBoardLogger, straggler
+from .observe import straggler
 from .outdir import FILES, OPTIONAL, Output
 from .recipe import make_optimizer, make_scheduler
 from .report import Report, say

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import checkpoint
+from ..checkpoints import plain as checkpoint
 from .config import TrainConfig
 from .observe import crowded, curves, straggles
 

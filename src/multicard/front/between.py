@@ -1,0 +1,96 @@
+"""What the front object hands out between processes: this process's part of what all compute alike, and the
+collectives (reductions, gathers, broadcasts of any structure, rank 0 first), printing and logging on rank 0.
+
+Multicard inherits these methods; each is one line over data/parts.py or collectives.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..data import parts
+from . import collectives
+from .loggers import scalars
+
+
+class Between:
+    """Methods of Multicard (uses its _start(), _strategy, rank, world_size, is_main and loggers)."""
+
+    # -- this process's part (data/parts.py) ------------------------------------------------------------------
+    def local(self, batch: Any, dim: int = 0) -> Any:
+        """This process's contiguous part of a global batch that every process built alike (e.g. by hand from
+        one long tensor: mc.local(batchify(data, 20), dim=1) keeps its columns): a tensor, a list of per-sample
+        values, or dicts / lists / tuples of them, cut along `dim`; parts differ by at most one sample."""
+        self._start()
+        return parts.part(batch, self.rank, self.world_size, dim)
+
+    def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
+        """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,
+        e.g. a GAN's for the global batch), this process keeping its part along `dim`."""
+        self._start()
+        return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
+
+    def seed_per_process(self, seed: int) -> int:
+        """Seed torch, `random` and numpy with seed + rank: streams that differ between processes; returns it."""
+        return parts.seed_per_process(seed, self.rank)
+
+    # -- between processes (collectives.py) -------------------------------------------------------------------
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """`value` (a tensor, a number, or dicts / lists / tuples of them) combined over all processes: sum,
+        mean, max or min. New tensors, on the device each value was on, in `value`'s structure. Every process
+        must pass the same structure, shapes and dtypes; MULTICARD_CHECK_SHAPES=1 (a debugging switch: one extra
+        collective a call) checks that and names a mismatch, which otherwise may come back silently reshaped."""
+        self._start()
+        return collectives.all_reduce(self._strategy, value, op)
+
+    def gather(self, obj: Any) -> list:
+        """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order, on
+        every process."""
+        self._start()
+        return collectives.gather(self._strategy, obj)
+
+    def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
+        """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
+        shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
+        DistributedSampler's padding. See collectives.gather_in_order."""
+        self._start()
+        return collectives.gather_in_order(self._strategy, outputs, total)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Process `src`'s `obj` (a tensor, or anything picklable) on every process."""
+        self._start()
+        return collectives.broadcast(self._strategy, obj, src)
+
+    def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager:
+        """`with mc.rank_zero_first():` rank 0 runs the body (download, preprocess, build a cache) while the
+        others wait; then they run it. local=True: the first process of each machine goes first."""
+        self._start()
+        return collectives.rank_zero_first(self._strategy, local)
+
+    def split(self, inputs: Any) -> Any:
+        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), e.g. for
+        inference; parts differ by at most one item. mc.gather(outputs) puts them back in order (concatenate)."""
+        self._start()
+        return collectives.split(self._strategy, inputs)
+
+    def barrier(self) -> None:
+        self._start()
+        self._strategy.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only."""
+        if self.is_main:
+            print(*args, **kwargs, flush=True)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Write {name: number} (numbers or one-element tensors) at `step` to this object's loggers, on rank 0;
+        elsewhere, or without loggers, nothing (no collective: call it where you like). Names with a slash
+        group in TensorBoard ("train/loss")."""
+        if not self.loggers or not self.is_main:
+            return
+        values = scalars(metrics)
+        for logger in self.loggers:
+            logger.log(values, int(step))
