@@ -30,7 +30,7 @@ from test_faults import JOB_VARIABLES, clean_env
 @pytest.fixture
 def job_env(monkeypatch):
     """This process as rank 1 of 2 of a job met at a port (given later), its launcher's variables cleared."""
-    for name in (*JOB_VARIABLES, dist.LAUNCHER_PID):
+    for name in (*JOB_VARIABLES, lifeline.LAUNCHER_PID):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(slots, "_slot", None)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -67,8 +67,8 @@ def test_something_else_at_master_port_ends_within_the_timeout(job_env, serve):
 def test_a_process_a_rank_started_is_no_rank_of_that_job():
     ours = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
             "MULTICARD_LAUNCHER": "multicard"}
-    assert job_from_env({**ours, dist.LAUNCHER_PID: str(os.getppid())}) == Job(0, 2, 0, 2, "multicard")
-    assert job_from_env({**ours, dist.LAUNCHER_PID: str(os.getpid())}) == Job()  # our parent did not start the job
+    assert job_from_env({**ours, lifeline.LAUNCHER_PID: str(os.getppid())}) == Job(0, 2, 0, 2, "multicard")
+    assert job_from_env({**ours, lifeline.LAUNCHER_PID: str(os.getpid())}) == Job()  # our parent did not start the job
 
 
 @pytest.mark.slow
