@@ -213,3 +213,103 @@ def test_run_json_that_is_not_a_small_file_is_one_line(tmp_path, what):
             f.truncate(10 * 2**30)  # sparse: 10 GB that take no disk
     with pytest.raises(UsageError, match=r"checkpoints/run\.json: (is a|is \d+ bytes, more than)"):
         resume.claim(tmp_path, None)
+
+
+def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "state.shards-1"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=folder, no_dist=True)
+    data = next(p for p in folder.iterdir() if p.name != ".metadata")
+    data.unlink()
+    os.mkfifo(data)  # a shard DCP would open and wait on
+    done = bounded(f"from pathlib import Path\nfrom multicard import shards\nfrom multicard.errors import UsageError\n"
+                   f"where = Path({str(folder)!r})\nshards.metadata(where)\n"
+                   f"try:\n    shards.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
+                   f"(where / '.metadata').rename(where / 'm')\nimport os\nos.mkfifo(where / '.metadata')\n"
+                   f"try:\n    shards.metadata(where)\nexcept UsageError as e:\n    print(e)")
+    assert f"{data.name} is a fifo, not a file DCP writes" in done.stdout, done.stderr
+    assert ".metadata: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
+
+
+# -- memory: nothing read whole that is larger than its kind ---------------------------------------------------------
+@pytest.mark.parametrize("what", ["sparse", "zero"])
+def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
+    from multicard import shards
+
+    (tmp_path / "s").mkdir()
+    if what == "sparse":
+        with open(tmp_path / "s" / ".metadata", "wb") as f:
+            f.truncate(10 * 2**30)
+    else:
+        os.symlink("/dev/zero", tmp_path / "s" / ".metadata")
+    with pytest.raises(UsageError, match=r"\.metadata: is (\d+ bytes, more than|a link)"):
+        shards.metadata(tmp_path / "s")
+
+
+# -- tracebacks become one line ------------------------------------------------------------------------------------
+def test_dcps_checkpoint_exception_is_one_line():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from multicard import shards
+
+    try:
+        raise KeyError("layer.weight missing")
+    except KeyError as e:
+        wrapped = CheckpointException("load failed", {1: (e, None), 0: (ValueError("size mismatch\nmore"), None)})
+    assert shards.first_failure(wrapped) == "ValueError: size mismatch"
+    assert "\n" not in shards.first_failure(wrapped)
+
+
+def test_a_sharded_checkpoint_into_another_model_is_one_line(tmp_path):
+    def body(mc, model, path, saving):
+        model = mc.setup(model)
+        state = {"model": model, "optimizer": mc.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))}
+        mc.save(path, state) if saving else mc.load(path, state)
+
+    multicard.Multicard("fsdp", "cpu:1").launch(body, LeNet5(), tmp_path / "state.pt", True)
+    assert (tmp_path / "state.pt").is_file()
+    with pytest.raises(UsageError, match=r"its shards in state\.shards-1 cannot be read into this model \(\w+: "):
+        multicard.Multicard("fsdp", "cpu:1").launch(body, torch.nn.Sequential(torch.nn.Linear(3, 2)),
+                                                    tmp_path / "state.pt", False)
+
+
+def test_a_ddp_checkpoint_with_optimizers_under_fsdp_is_one_line(tmp_path):
+    single = multicard.Multicard("single", "cpu")
+    model = single.setup(LeNet5())
+    single.save(tmp_path / "state.pt", {"model": model, "optimizer": torch.optim.Adam(model.parameters())})
+
+    def body(mc):
+        model = mc.setup(LeNet5())
+        mc.load(tmp_path / "state.pt", {"model": model})  # the model alone loads
+        mc.load(tmp_path / "state.pt", {"model": model, "optimizer": torch.optim.Adam(model.parameters())})
+
+    with pytest.raises(UsageError, match="written without fsdp, its optimizers' state is whole"):
+        multicard.Multicard("fsdp", "cpu:1").launch(body)
+
+
+def test_a_checkpoint_write_stopped_by_a_file_size_limit_is_one_line(tmp_path):
+    from multicard import checkpoint
+
+    done = bounded("import resource, torch\nfrom multicard import checkpoint\nfrom multicard.errors import UsageError\n"
+                   "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+                   f"try:\n    checkpoint.write_atomic({{'w': torch.zeros(100000)}}, {str(tmp_path / 'state.pt')!r})\n"
+                   "except UsageError as e:\n    print(e)")
+    assert f"cannot write {tmp_path / 'state.pt'}" in done.stdout, done.stderr
+    assert list(tmp_path.iterdir()) == [] and checkpoint is not None  # no temporary left
+
+
+def test_too_many_workers_is_one_line():
+    from multicard.config import TrainConfig
+
+    with pytest.raises(UsageError, match=r"--workers 100000: at most \d+ DataLoader worker processes"):
+        TrainConfig(workers=100000).validate()
+    TrainConfig(workers=4).validate()
+
+
+def test_synthetic_samples_beyond_memory_is_one_line():
+    from multicard import data
+
+    with pytest.raises(UsageError, match=r"--synthetic-samples 1000000000000: .* GiB of memory, more than"):
+        data.load("synthetic", synthetic_samples=10**12)
+    assert len(data.load("synthetic", synthetic_samples=8)[0]) == 8
