@@ -313,3 +313,53 @@ def test_synthetic_samples_beyond_memory_is_one_line():
     with pytest.raises(UsageError, match=r"--synthetic-samples 1000000000000: .* GiB of memory, more than"):
         data.load("synthetic", synthetic_samples=10**12)
     assert len(data.load("synthetic", synthetic_samples=8)[0]) == 8
+
+
+@pytest.mark.parametrize("body, words", [
+    ("x = 1 / 0\n", r"importing .*net\.py failed: ZeroDivisionError: division by zero \(at .*net\.py:1\)$"),
+    ("def broken(:\n", r"importing .*net\.py failed: SyntaxError: .* \(at .*net\.py:1\)$"),
+    ("import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+     "        self.layer = torch.nn.Linear(3, 'wide')\n",
+     r"building it failed: TypeError: .* \(at .*net\.py:5\)$"),
+    ("import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        raise RuntimeError('my own')\n",
+     r"building it failed: RuntimeError: my own \(at .*net\.py:4\)$"),
+], ids=["import", "syntax", "init-typeerror", "init"])
+def test_a_model_file_that_fails_shows_the_users_error_in_one_line(tmp_path, body, words, monkeypatch, request):
+    import re
+
+    from multicard import models
+
+    name = f"net_{request.node.callspec.id.replace('-', '_')}_{os.getpid()}"  # a module name of its own
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(UsageError) as caught:
+        models.build(f"{tmp_path / name}.py:Net")
+    assert "\n" not in str(caught.value)
+    assert re.search(words.replace("net\\.py", f"{name}\\.py"), str(caught.value)), str(caught.value)
+
+
+@pytest.mark.parametrize("what", ["fifo", "file", "folder"])
+def test_a_part_name_taken_by_something_else_is_one_line(tmp_path, what):
+    part = tmp_path / "checkpoints" / "step-00000004.part"
+    part.parent.mkdir()
+    os.mkfifo(part) if what == "fifo" else part.write_text("mine") if what == "file" else part.mkdir()
+    with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"):
+        resume.fresh(part, OLD)
+    assert safefs.kind(part) == what
+
+
+def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
+    earlier(tmp_path)
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # what a chmod -w or chattr +i folder answers (root too)
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    with pytest.raises(UsageError, match=rf"run-{OLD}: cannot be made \(Permission denied\)"):
+        resume.claim(tmp_path, None)
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "replace", refused)  # the folders made, run.json not written
+    with pytest.raises(UsageError, match=r"cannot write into checkpoints/ \(Permission denied\)"):
+        resume.claim(tmp_path, None)
+    monkeypatch.undo()
+    assert resume.owner(tmp_path)["run"] == OLD

@@ -102,6 +102,14 @@ def claim(out: str | Path, resumed: Path | None) -> str:
     The claim comes first, in one rename of run.json, and the moves after it: a kill at any instant leaves
     --resume auto either the earlier run (before the rename) or the new one (after it: it goes on from where
     the new run started, never from an earlier run's checkpoint); the next start moves what is left."""
+    try:
+        return claimed(out, resumed)
+    except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
+        raise UsageError(f"--out {out}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
+                         f"choose another --out") from None
+
+
+def claimed(out: str | Path, resumed: Path | None) -> str:
     own = owner(out)
     folder = Path(out) / FOLDER
     keep = [resumed.parent] if resumed is not None else []
