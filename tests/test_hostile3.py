@@ -50,8 +50,8 @@ def states(out: Path) -> list[str]:
 
 def train(out: Path, **overrides) -> dict:
     torch.manual_seed(0)
-    return multicard.train(LeNet5(), tiny_images(48), None, out=str(out), quiet=True, strategy="single",
-                           devices="cpu", batch_size=24, epochs=1, **overrides)
+    return multicard.train(LeNet5(), tiny_images(48), None, out=str(out), **{
+        **dict(quiet=True, strategy="single", devices="cpu", batch_size=24, epochs=1), **overrides})
 
 
 # -- writes outside --out ------------------------------------------------------------------------------------------
@@ -363,3 +363,12 @@ def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
         resume.claim(tmp_path, None)
     monkeypatch.undo()
     assert resume.owner(tmp_path)["run"] == OLD
+
+
+@pytest.mark.parametrize("flags", [dict(batch_size=10**9), dict(batch_size=None, accumulate=100)],
+                         ids=["batch", "accumulate"])
+def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags):
+    with pytest.raises(UsageError, match=r"--batch-size \d+: the global batch is larger than the training set "
+                                         r"\(48 samples\); choose at most 48"):
+        train(tmp_path, **flags)
+    assert not any(tmp_path.iterdir())  # refused before --out is touched
