@@ -372,3 +372,30 @@ def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags
                                          r"\(48 samples\); choose at most 48"):
         train(tmp_path, **flags)
     assert not any(tmp_path.iterdir())  # refused before --out is touched
+
+
+# -- your loop: ranks that pass different structures ---------------------------------------------------------------
+def mismatched(mc) -> dict:
+    out = {}
+    mine = {"rank": mc.rank} if mc.rank == 0 else torch.tensor([7.0, 8.0])  # a dict on 0, a tensor on 1
+    out["from_dict"] = mc.broadcast(mine, src=0)
+    out["from_tensor"] = mc.broadcast(mine, src=1)
+    try:
+        mc.gather_in_order(torch.zeros(2, 3) if mc.rank == 0 else [1.0, 2.0])
+    except UsageError as e:
+        out["tensor_vs_list"] = str(e)
+    try:
+        mc.gather_in_order({"a": [1], "b": [2]} if mc.rank == 0 else {"a": [1], "c": [2]})
+    except UsageError as e:
+        out["keys"] = str(e)
+    return mc.gather(out)
+
+
+def test_mismatched_structures_across_ranks_broadcast_as_src_sent_and_gather_in_order_says_both():
+    ranks = multicard.launch(mismatched, strategy="ddp", devices="cpu:2")
+    for r in ranks:
+        assert r["from_dict"] == {"rank": 0} and torch.equal(r["from_tensor"], torch.tensor([7.0, 8.0]))
+        assert r["tensor_vs_list"] == ("gather_in_order: rank 0 passed a tensor of rows (3,), rank 1 a list: every "
+                                       "process must pass the same structure")
+        assert r["keys"] == ("gather_in_order: rank 0 passed {'a': a list, 'b': a list}, rank 1 {'a': a list, 'c': "
+                             "a list}: every process must pass the same structure")
