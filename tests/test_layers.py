@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "multicard"
 
 # Bottom to top. A module may import its own layer and the layers before it, never one after it.
-LAYERS = ["errors", "jobs", "strategies", "data", "models", "checkpoints", "front", "trainer", "tools",
+LAYERS = ["errors", "safefs", "jobs", "strategies", "data", "models", "checkpoints", "front", "trainer", "tools",
           "cli", "__main__", "__init__"]
 MOST_LINES = 320
 MOST_TOP_LEVEL = 12

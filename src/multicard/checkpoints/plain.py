@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,9 +14,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import safefs
 from ..errors import UsageError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a filesystem out of space, inodes or quota: a line, not a traceback
+# what torch's zip writer says when the file system refuses a write half-way (EFBIG under ulimit -f, ...)
+WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed", re.I)
 PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch.compile put before every key
 
 
@@ -42,17 +45,24 @@ def write_atomic(obj: Any, path: str | Path) -> Path:
     """torch.save into a temporary file beside `path`, then rename: a crash never leaves half a file. The file
     gets this user's usual mode (umask), as any file they write."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    tmp = None
     try:
-        with open(tmp, "wb") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = safefs.create(path.parent, path.name)  # a fresh name: nothing planted is written through
+        with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
         os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno in FULL:
             raise UsageError(f"cannot write {path} ({e.strerror}): free space on that filesystem, or choose "
                              f"another --out") from None
+        if isinstance(e, OSError) and e.errno is not None:  # read-only, no permission, a file-size limit
+            raise UsageError(f"cannot write {path} ({e.strerror}); choose another --out") from None
+        if isinstance(e, RuntimeError) and WRITE_FAILED.search(str(e)):  # torch's writer, failing part-way
+            raise UsageError(f"cannot write {path}: the write stopped part-way (a file-size limit, or the disk "
+                             f"full?); choose another --out") from None
         raise
     return path
 

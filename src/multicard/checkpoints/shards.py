@@ -24,7 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import safefs
 from ..errors import UsageError
+
+# largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each (a model of thousands of
+# tensors on hundreds of processes stays well under it)
+METADATA = 1 << 30
 
 
 def folder(path: Path, save: int) -> Path:
@@ -72,6 +77,7 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
     """Every rank: the models and optimizers of `state` from the folder the checkpoint names, resharded onto
     this job's processes."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     models, optimizers = split(state)
@@ -83,15 +89,46 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
     target = sharded_state(models, optimizers)
     where = path.parent / info["folder"]
     metadata(where)  # refused here, on every rank, before DCP reads anything
+    plain_files(where)
     try:
         dcp.load(target, storage_reader=reader(where), planner=planner())
-    except Exception as e:  # a missing or damaged folder, or shards of another model
+    except UsageError:
+        raise
+    except BaseException as e:  # a missing or damaged folder, or shards of another model (DCP's
+        if not isinstance(e, (Exception, CheckpointException)):  # CheckpointException is a BaseException)
+            raise
         raise UsageError(f"checkpoint {path}: its shards in {info['folder']} cannot be read into this model "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+                         f"({first_failure(e)})") from None
     for k, module in models.items():
         set_model_state_dict(module, target[k])
     for k, optimizer in optimizers.items():
         set_optimizer_state_dict(next(iter(models.values())), optimizer, target[k])
+
+
+def first_failure(e: BaseException) -> str:
+    """One line for what DCP raised: for a CheckpointException, the first rank's own error, not its traces."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (cause, _) = next(iter(sorted(e.failures.items())))
+        if isinstance(cause, UsageError):
+            return str(cause)
+        e = cause
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def plain_files(where: Path) -> None:
+    """Every entry of a shards folder is a regular file (DCP writes nothing else): a FIFO would hang DCP's read,
+    a link could point anywhere. Anything else is one line."""
+    if not safefs.is_folder(where):
+        raise UsageError(f"shards folder {where}: is {safefs.kind(where) or 'missing'}, not a folder multicard "
+                         f"wrote")
+    for entry in where.iterdir():
+        found = safefs.kind(entry)
+        if found != "file":
+            raise UsageError(f"shards folder {where}: {entry.name} is a {found}, not a file DCP writes; move it "
+                             f"elsewhere")
 
 
 # the globals a .metadata that DCP wrote names (torch 2.4-2.13): its dataclasses, torch.Size, a dtype, a layout by
@@ -121,10 +158,11 @@ def metadata(where: Path, name: str = ".metadata"):
     """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    if safefs.kind(where / name) is None:
+        raise UsageError(f"shards folder {where}: no {name}")
+    raw = safefs.read_bytes(where / name, METADATA, f"shards folder {where}: {name}")  # no FIFO, link, or 10 GB
     try:
-        found = Restricted(io.BytesIO((where / name).read_bytes())).load()
-    except OSError as e:
-        raise UsageError(f"shards folder {where}: no readable .metadata ({e.strerror or type(e).__name__})") from None
+        found = Restricted(io.BytesIO(raw)).load()
     except Exception as e:  # pickle raises many kinds for a damaged or foreign file
         raise UsageError(f"shards folder {where}: its .metadata is refused ({str(e)[:200] or type(e).__name__}); "
                          f"multicard loads only what torch.distributed.checkpoint itself writes") from None

@@ -105,12 +105,15 @@ def broadcast(strategy: Strategy, obj: Any, src: int = 0) -> Any:
         raise UsageError(f"broadcast src={src}: the job has ranks 0 to {strategy.world - 1}")
     if strategy.world == 1:
         return obj
-    if isinstance(obj, torch.Tensor):  # a tensor goes as a tensor; its shape and dtype come first
-        meta = strategy.broadcast([tuple(obj.shape), obj.dtype], src)
-        buffer = obj.to(strategy.device) if strategy.rank == src else \
-            torch.empty(meta[0], dtype=meta[1], device=strategy.device)
-        return strategy.broadcast_tensor(buffer.clone(), src).to(obj.device)
-    return strategy.broadcast(obj, src)
+    # src says first what it sends, and every rank follows that (not what it passed itself): a tensor on src and
+    # a dict elsewhere still meet in the same collectives. A tensor goes as a tensor, after its shape and dtype.
+    sending = isinstance(obj, torch.Tensor) and strategy.rank == src
+    head = strategy.broadcast(("tensor", tuple(obj.shape), obj.dtype) if sending else ("object", obj), src)
+    if head[0] == "object":
+        return head[1]
+    device = obj.device if isinstance(obj, torch.Tensor) else strategy.device
+    buffer = obj.to(strategy.device) if sending else torch.empty(head[1], dtype=head[2], device=strategy.device)
+    return strategy.broadcast_tensor(buffer.clone(), src).to(device)
 
 
 @contextlib.contextmanager
@@ -145,8 +148,24 @@ def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) 
     of per-sample values, or a dict / tuple of these. `total` (the dataset's size) drops what is beyond it:
     the padding a DistributedSampler repeats. Every process gets the whole result."""
     parts = strategy.gather(_to_cpu(outputs))
+    for rank, part in enumerate(parts[1:], 1):
+        if structure(part) != structure(parts[0]):
+            raise UsageError(f"gather_in_order: rank 0 passed {structure(parts[0])}, rank {rank} "
+                             f"{structure(part)}: every process must pass the same structure")
     merged = _interleave(parts, total)
     return _move(merged, outputs)
+
+
+def structure(obj: Any) -> str:
+    """What gather_in_order needs to agree across ranks, in words: dicts' keys, tuples' lengths, and at the
+    leaves a tensor (with its trailing shape) or a list."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {structure(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, tuple):
+        return "(" + ", ".join(structure(v) for v in obj) + ")"
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of rows {tuple(obj.shape[1:])}"
+    return "a list" if isinstance(obj, list) else f"a {type(obj).__name__}"
 
 
 def _interleave(parts: list, total: int | None) -> Any:

@@ -66,6 +66,10 @@ def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict
     elif info is not None and not mc.sharded:
         raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
                          f"strategy fsdp (its model.pt holds the whole model for any strategy)")
+    elif info is None and mc.sharded and isinstance(head, dict) and OWN in head and \
+            any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
+        raise UsageError(f"checkpoint {path}: written without fsdp, its optimizers' state is whole, not in shards: "
+                         f"resume it with the strategy that wrote it (its model alone loads under fsdp too)")
     elif info is not None:
         models, optimizers = shards.split(state)
         shards.load(path, info, state, mc.unwrap)

@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from ..errors import UsageError
+from . import user_error
 from .lenet import LeNet5
 from .resnet import ResNet8
 from .wide_mlp import WideMLP
@@ -42,7 +43,11 @@ def build(name: str) -> nn.Module:
     try:
         model = factory()
     except TypeError as e:
-        raise UsageError(f"--model {name}: cannot be built without arguments ({e})") from None
+        if user_error.where(e) is None:  # the call itself: the class wants arguments
+            raise UsageError(f"--model {name}: cannot be built without arguments ({e})") from None
+        raise UsageError(f"--model {name}: building it failed: {user_error.line(e)}") from None
+    except Exception as e:  # the user's own code failing in __init__: their error, in one line
+        raise UsageError(f"--model {name}: building it failed: {user_error.line(e)}") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {name}: gave a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -80,6 +85,8 @@ def _import(spec: str, where: str, module_name: str):
         return importlib.import_module(module_name)
     except ImportError as e:
         raise UsageError(f"--model {spec}: cannot import {where} ({e})") from None
+    except Exception as e:  # the user's module failing as it is imported (SyntaxError, NameError, ...)
+        raise UsageError(f"--model {spec}: importing {where} failed: {user_error.line(e)}") from None
     except SystemExit as e:
         raise UsageError(f"--model {spec}: importing {where} ended the program (exit {e.code}); run its script part "
                          f"only under `if __name__ == \"__main__\":`") from None

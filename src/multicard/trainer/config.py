@@ -6,6 +6,7 @@ This module must not import torch: `multicard --help` reads it and must answer a
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
@@ -162,6 +163,11 @@ class TrainConfig:
                                    ("--max-restarts", self.max_restarts, 0)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
+        if self.workers > (most := max(64, 4 * (os.cpu_count() or 1))):
+            raise UsageError(f"--workers {self.workers}: at most {most} DataLoader worker processes per training "
+                             f"process on this machine ({os.cpu_count()} CPU cores); 0 to 2 per core is plenty")
+        if self.synthetic_samples < 1:
+            raise UsageError(f"--synthetic-samples {self.synthetic_samples}: must be at least 1")
         check_timeout(self.timeout)
         for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma)):
             if not 0 < value < math.inf:  # also refuses nan

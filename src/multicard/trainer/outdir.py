@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+from .. import safefs
 from ..errors import UsageError
 from .report import say
 
@@ -17,6 +18,7 @@ FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --ou
 OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
 MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
+OWNER_PART = re.compile(r"run\.json\.[0-9a-f]{12}\.part")  # the temporary safefs.write_file makes of run.json
 LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.\d+\.part")
 
 
@@ -77,7 +79,7 @@ class Output:
 
     def runs(self) -> list[Path]:
         """Run folders multicard made here (its marker inside; never through a link)."""
-        return [p for p in self.path.glob(".run-*") if p.is_dir() and not p.is_symlink() and (p / MARK).is_file()]
+        return [p for p in self.path.glob(".run-*") if marked(p)]
 
     def clean(self) -> None:
         """Remove what killed runs left, and only that: run folders never switched to (marked), half-made links
@@ -95,8 +97,10 @@ class Output:
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
         checkpoints = self.path / "checkpoints"
         for part in checkpoints.glob("*.part") if checkpoints.is_dir() and not checkpoints.is_symlink() else ():
-            if part.is_dir() and not part.is_symlink() and (part / MARK).is_file():
+            if marked(part):
                 remove(part)
+            elif OWNER_PART.fullmatch(part.name) and safefs.kind(part) == "file":  # run.json half-written
+                part.unlink()
             elif not (part.is_dir() and not part.is_symlink() and not any(part.iterdir()) and rmdir(part)):
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
         self.cleaned = True
@@ -151,6 +155,11 @@ class Output:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def marked(folder: Path) -> bool:
+    """A real folder (not a link) holding multicard's marker as a regular file (not a link to one)."""
+    return safefs.is_folder(folder) and safefs.kind(folder / MARK) == "file"
 
 
 def ours(path: Path, target: str | None = None) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .. import safefs
 from ..errors import UsageError
 from ..front.multicard import Multicard
 from .config import TrainConfig
@@ -36,32 +37,42 @@ from .report import say
 FOLDER = "checkpoints"
 OWNER = "run.json"
 NAME = re.compile(r"step-(\d+)")
+RUN_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")  # what new_id() makes; a marker holding anything else is not read
 
 
 def whole(out: str | Path, run: str | None = None) -> list[Path]:
-    """The complete checkpoints in --out (or in a folder of checkpoints), oldest first; with `run`, that run's."""
-    where = Path(out) / FOLDER if (Path(out) / FOLDER).is_dir() else Path(out)
+    """The complete checkpoints in --out (or in a folder of checkpoints), oldest first; with `run`, that run's.
+    Links are never followed: a checkpoint is a real folder holding a regular state.pt."""
+    where = Path(out) / FOLDER if safefs.is_folder(Path(out) / FOLDER) else Path(out)
     found = [(int(m.group(1)), p) for p in where.glob("step-*")
-             if (m := NAME.fullmatch(p.name)) and (p / "state.pt").is_file() and not p.is_symlink()]
+             if (m := NAME.fullmatch(p.name)) and safefs.is_folder(p) and safefs.kind(p / "state.pt") == "file"]
     return [p for _, p in sorted(found) if run is None or run_of(p) == run]
 
 
 def run_of(checkpoint: Path) -> str | None:
-    """The id of the run that wrote a checkpoint folder (None: one written before runs had ids)."""
+    """The id of the run that wrote a checkpoint folder: its marker's text where that is an id as multicard
+    writes them (None: one written before runs had ids, or a marker that is not multicard's: a link, a FIFO, a
+    huge file, text that is not an id; such a checkpoint is kept aside as unnamed, never a path made of it)."""
     try:
-        return (checkpoint / MARK).read_text().strip() or None
-    except OSError:
+        text = safefs.read_bytes(checkpoint / MARK, safefs.SMALL).decode("ascii").strip()
+    except (UsageError, UnicodeDecodeError):
         return None
+    return text if RUN_ID.fullmatch(text) else None
 
 
 def owner(out: str | Path) -> dict | None:
     """checkpoints/run.json: {"run": the id of the run these checkpoints belong to, "from": the checkpoint it
-    started from or None}; None where no run has claimed the folder (a new --out, or an older version's)."""
-    try:
-        found = json.loads((Path(out) / FOLDER / OWNER).read_text())
-    except (OSError, ValueError):
+    started from or None}; None where no run has claimed the folder (a new --out, or an older version's). A
+    run.json that is not a regular file (a FIFO, a folder, a link) or too large to be multicard's is one line."""
+    path = Path(out) / FOLDER / OWNER
+    if safefs.kind(path) is None:
         return None
-    return found if isinstance(found, dict) and isinstance(found.get("run"), str) else None
+    try:
+        found = json.loads(safefs.read_bytes(path, safefs.SMALL, f"--out {out}: {FOLDER}/{OWNER}"))
+    except ValueError:
+        return None
+    ok = isinstance(found, dict) and isinstance(found.get("run"), str) and RUN_ID.fullmatch(found["run"])
+    return found if ok else None
 
 
 def newest(out: str | Path) -> Path | None:
@@ -79,38 +90,71 @@ def newest(out: str | Path) -> Path | None:
     return started if started is not None and started.is_file() else None
 
 
+def new_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+
+
 def claim(out: str | Path, resumed: Path | None) -> str:
     """Rank 0, before a run's processes start: the id of this run. Going on from what --resume auto would (the
-    owner's newest) keeps the owner's; any other start is a new run: the earlier runs' checkpoints are moved
-    into checkpoints/run-<id>/ (the one resumed from stays where it is read) and the folder is claimed."""
+    owner's newest) keeps the owner's; any other start is a new run, which claims the folder and moves the
+    earlier runs' checkpoints into checkpoints/run-<id>/ (the one resumed from stays where it is read).
+
+    The claim comes first, in one rename of run.json, and the moves after it: a kill at any instant leaves
+    --resume auto either the earlier run (before the rename) or the new one (after it: it goes on from where
+    the new run started, never from an earlier run's checkpoint); the next start moves what is left."""
+    try:
+        return claimed(out, resumed)
+    except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
+        raise UsageError(f"--out {out}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
+                         f"choose another --out") from None
+
+
+def claimed(out: str | Path, resumed: Path | None) -> str:
     own = owner(out)
-    if own is not None and resumed is not None and same(resumed, newest(out)):
-        return own["run"]
-    run = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
     folder = Path(out) / FOLDER
-    if resumed is None and not folder.exists():  # nothing to claim yet: the first checkpoint's write claims it
-        return run
+    keep = [resumed.parent] if resumed is not None else []
+    if own is not None and resumed is not None and same(resumed, newest(out)):
+        run = own["run"]
+        keep += [Path(own["from"]).parent] if isinstance(own.get("from"), str) else []
+    else:
+        run = new_id()
+        if resumed is None and safefs.kind(folder) is None:  # nothing to claim yet: the first checkpoint claims it
+            return run
+        places(out, run, keep)  # every folder a move needs, checked before anything changes
+        safefs.make_folder(folder, f"--out {out}: {FOLDER}")
+        record = {"run": run, "from": os.path.abspath(resumed) if resumed is not None else None}
+        safefs.write_file(folder / OWNER, (json.dumps(record) + "\n").encode())
     moved: dict[Path, list[str]] = {}
-    for old in whole(out):
-        if resumed is None or not same(old, resumed.parent):
-            moved.setdefault(aside(old, run), []).append(old.name)
+    for old, place in places(out, run, keep).items():
+        moved.setdefault(aside(old, run, place), []).append(old.name)
     for place, names in moved.items():
         say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {place}: nothing deleted; "
             f"--resume {place} goes on from that run")
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{OWNER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"run": run, "from": os.path.abspath(resumed) if resumed is not None else None}) + "\n")
-    os.replace(tmp, folder / OWNER)
     return run
 
 
-def aside(checkpoint: Path, run: str) -> Path:
-    """Move an earlier run's checkpoint into checkpoints/run-<its id>/ (never over another); returns that folder.
-    One written before runs had ids goes into run-unnamed-<this run's id>/."""
+def places(out: str | Path, run: str, keep: list[Path]) -> dict[Path, Path]:
+    """{checkpoint: the folder it goes into} for every whole checkpoint in --out that is not `run`'s nor in
+    `keep`; each folder is made (a real one: a link or a file under that name is refused in one line)."""
+    found = {}
+    for old in whole(out):
+        if run_of(old) != run and not any(same(old, k) for k in keep):
+            found[old] = folder_aside(old, run)
+    return found
+
+
+def folder_aside(checkpoint: Path, run: str) -> Path:
+    """checkpoints/run-<the id of the run that wrote `checkpoint`>/, made if missing (never through a link). One
+    written before runs had ids (or whose marker is not an id) goes into run-unnamed-<this run's id>/."""
     place = checkpoint.parent / f"run-{run_of(checkpoint) or 'unnamed-' + run}"
-    place.mkdir(exist_ok=True)
+    return safefs.make_folder(place, f"{place}")
+
+
+def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
+    """Move an earlier run's checkpoint into its folder aside (never over another); returns that folder."""
+    place = place or folder_aside(checkpoint, run)
     target, n = place / checkpoint.name, 1
-    while target.exists() or target.is_symlink():
+    while safefs.kind(target) is not None:
         n += 1
         target = place / f"{checkpoint.name}~{n}"
     os.replace(checkpoint, target)
@@ -128,20 +172,41 @@ def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) ->
     part = final.with_name(final.name + ".part")
     run = None
     if mc.is_main:
-        part.mkdir(parents=True, exist_ok=True)
+        safefs.make_folder(part.parent, f"--out {out}: {FOLDER}")  # first: claim() records the run there
         run = (owner(out) or {}).get("run") or claim(out, None)
-        (part / MARK).write_text(run + "\n")  # first: a kill from here on leaves a folder provably ours
+        fresh(part, run)
         state = {**state, "run": run}
+    mc.barrier()  # the other ranks write into the folder rank 0 made, never into one planted before
     mc.save(part / "state.pt", state)
     mc.barrier()  # every rank's part is on disk
     if mc.is_main:
-        if final.exists() and run_of(final) == run:  # an earlier attempt of this run went past this step
+        if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
             drop(final)
-        elif final.exists():  # another run's (the one this run resumed from): kept, out of the way
+        elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
             aside(final, run)
         os.replace(part, final)
         for old in whole(out, run)[:-keep] if keep else []:
             drop(old)
+
+
+def fresh(part: Path, run: str) -> None:
+    """Rank 0: the folder step-N.part, made new and marked as `run`'s. One this run left (an earlier attempt) is
+    made anew; a link, a file, a FIFO or another's folder under that name is refused in one line, never written
+    through or into."""
+    found = safefs.kind(part)
+    if found == "folder" and run_of(part) == run:
+        shutil.rmtree(part)
+    elif found is not None:
+        raise UsageError(f"{part}: a {found} multicard did not make is in the way of this checkpoint; move it "
+                         f"elsewhere and run again (--resume auto goes on)")
+    try:
+        part.mkdir()
+        fd, tmp = safefs.create(part, MARK)
+        with os.fdopen(fd, "w") as f:
+            f.write(run + "\n")
+        os.replace(tmp, part / MARK)  # first: a kill from here on leaves a folder provably ours
+    except OSError as e:
+        raise UsageError(f"cannot write {part} ({e.strerror}); choose another --out") from None
 
 
 def drop(checkpoint: Path) -> None:
@@ -149,7 +214,7 @@ def drop(checkpoint: Path) -> None:
     deletion leaves no checkpoint that looks whole and is not. Never through a link."""
     if checkpoint.is_symlink() or checkpoint.parent.is_symlink():
         raise UsageError(f"{checkpoint}: reached through a link; multicard deletes only in folders of its own")
-    gone = checkpoint.with_name(f"{checkpoint.name}.dropped.part")
+    gone = checkpoint.with_name(f"{checkpoint.name}.{secrets.token_hex(4)}.dropped.part")  # never one planted
     os.replace(checkpoint, gone)
     shutil.rmtree(gone, ignore_errors=True)
 

@@ -74,9 +74,13 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     if config.resume:  # the resumed run's recipe, where not given
         found = resolve(config.resume, config.out)
         config = inherit(found, config, given) if found is not None else config
+    chosen = config.batch_size is not None or config.accumulate > 1  # the batch given, not the auto one
     config = config.settled(mc.world_size)  # the auto batch and rate, for this many processes
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
+    if chosen and config.batch_size > len(train_data):  # one short step a epoch, under a batch that never ran
+        raise UsageError(f"--batch-size {config.batch_size}: the global batch is larger than the training set "
+                         f"({len(train_data)} samples); choose at most {len(train_data)}")
     recipe = (optimizer, scheduler, step_scheduler_every)
     args = (model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric)
     # rank 0 holds --out (a lock) for the whole run, restarts included; the other ranks of a launched job write
