@@ -17,9 +17,10 @@ import torch
 
 import multicard
 from conftest import ROOT, tiny_images
-from multicard import resume, safefs
+from multicard import safefs
 from multicard.errors import UsageError
 from multicard.models import LeNet5
+from multicard.trainer import resume, saves
 
 OLD = "20240101T000000-abcdef"  # an earlier run's id, as multicard makes them
 
@@ -74,12 +75,12 @@ def test_a_run_folder_link_is_refused_before_anything_moves(tmp_path):
     os.symlink(outside, out / "checkpoints" / f"run-{OLD}")
     before = tree(out)
     with pytest.raises(UsageError, match=rf"run-{OLD}: is a link, not a folder multicard made"):
-        resume.claim(out, None)
+        saves.claim(out, None)
     assert tree(out) == before and list(outside.iterdir()) == []
     (out / "checkpoints" / f"run-{OLD}").unlink()
     (out / "checkpoints" / f"run-{OLD}").write_text("mine")  # a file under that name: the same one line
     with pytest.raises(UsageError, match=rf"run-{OLD}: is a file, not a folder"):
-        resume.claim(out, None)
+        saves.claim(out, None)
 
 
 def test_run_json_is_never_written_through_a_planted_temporary(tmp_path):
@@ -88,7 +89,7 @@ def test_run_json_is_never_written_through_a_planted_temporary(tmp_path):
     earlier(out)
     for name in (f"run.json.{os.getpid()}.tmp", "run.json.tmp", "run.json.part"):  # the names once used, and more
         os.symlink(victim, out / "checkpoints" / name)
-    run = resume.claim(out, None)
+    run = saves.claim(out, None)
     assert victim.read_text() == "mine"
     assert safefs.kind(out / "checkpoints" / "run.json") == "file" and resume.owner(out)["run"] == run
 
@@ -100,12 +101,12 @@ def test_a_forged_marker_moves_nothing_out_of_out(tmp_path, marker):
     out = tmp_path / "deep" / "out"
     made = earlier(out)
     (made[0] / ".multicard").write_bytes(marker)
-    run = resume.claim(out, None)
+    run = saves.claim(out, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep"] and os.listdir(tmp_path / "deep") == ["out"]
     unnamed = out / "checkpoints" / f"run-unnamed-{run}" / "step-00000001" / "state.pt"
     assert unnamed.read_text() == f"{OLD} 1"  # kept aside under a name multicard makes, not one read from a file
     assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]
-    assert resume.claim(out, None) != run  # and the next run into that --out is not stopped by it
+    assert saves.claim(out, None) != run  # and the next run into that --out is not stopped by it
 
 
 # -- a kill while an earlier run's checkpoints move aside ----------------------------------------------------------
@@ -141,7 +142,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
         for name in real:
             monkeypatch.setattr(os, name, counted(name))
         try:
-            run = resume.claim(out, resumed)
+            run = saves.claim(out, resumed)
             done = True
         except Killed:
             done = False
@@ -152,7 +153,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
         else:
             assert auto == (resumed.absolute() if rewind else None), f"killed at call {point}"
             assert not done or own == run
-        again = resume.claim(out, auto)  # the next start: --resume auto
+        again = saves.claim(out, auto)  # the next start: --resume auto
         assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]  # none lost, none doubled
         if own != OLD:
             assert (again == own) == rewind  # from step 1: the same new run goes on; from nothing: a new one
@@ -167,7 +168,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
 def test_a_new_run_killed_before_its_first_checkpoint_starts_over_under_auto(tmp_path):
     out = tmp_path / "out"
     earlier(out)
-    resume.claim(out, None)
+    saves.claim(out, None)
     assert resume.resolve("auto", out) is None
 
 
@@ -182,7 +183,7 @@ def test_a_fifo_run_json_is_one_line_not_a_hang(tmp_path):
     earlier(tmp_path)
     (tmp_path / "checkpoints" / "run.json").unlink()
     os.mkfifo(tmp_path / "checkpoints" / "run.json")
-    done = bounded(f"from multicard import resume\nfrom multicard.errors import UsageError\n"
+    done = bounded(f"from multicard.trainer import resume, saves\nfrom multicard.errors import UsageError\n"
                    f"try:\n    resume.resolve('auto', {str(tmp_path)!r})\nexcept UsageError as e:\n    print(e)")
     assert "checkpoints/run.json: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
 
@@ -191,7 +192,7 @@ def test_a_fifo_marker_is_not_read_and_the_checkpoint_kept_aside(tmp_path):
     made = earlier(tmp_path)
     (made[1] / ".multicard").unlink()
     os.mkfifo(made[1] / ".multicard")
-    done = bounded(f"from multicard import resume\nprint(resume.claim({str(tmp_path)!r}, None))")
+    done = bounded(f"from multicard.trainer import saves\nprint(saves.claim({str(tmp_path)!r}, None))")
     assert done.returncode == 0, done.stderr
     run = done.stdout.split()[-1]
     assert (tmp_path / "checkpoints" / f"run-unnamed-{run}" / "step-00000002" / "state.pt").is_file()
@@ -212,7 +213,7 @@ def test_run_json_that_is_not_a_small_file_is_one_line(tmp_path, what):
         with open(place, "wb") as f:
             f.truncate(10 * 2**30)  # sparse: 10 GB that take no disk
     with pytest.raises(UsageError, match=r"checkpoints/run\.json: (is a|is \d+ bytes, more than)"):
-        resume.claim(tmp_path, None)
+        saves.claim(tmp_path, None)
 
 
 def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
@@ -223,7 +224,8 @@ def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
     data = next(p for p in folder.iterdir() if p.name != ".metadata")
     data.unlink()
     os.mkfifo(data)  # a shard DCP would open and wait on
-    done = bounded(f"from pathlib import Path\nfrom multicard import shards\nfrom multicard.errors import UsageError\n"
+    done = bounded(f"from pathlib import Path\nfrom multicard.checkpoints import shards\n"
+                   f"from multicard.errors import UsageError\n"
                    f"where = Path({str(folder)!r})\nshards.metadata(where)\n"
                    f"try:\n    shards.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
                    f"(where / '.metadata').rename(where / 'm')\nimport os\nos.mkfifo(where / '.metadata')\n"
@@ -235,7 +237,7 @@ def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
 # -- memory: nothing read whole that is larger than its kind ---------------------------------------------------------
 @pytest.mark.parametrize("what", ["sparse", "zero"])
 def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
-    from multicard import shards
+    from multicard.checkpoints import shards
 
     (tmp_path / "s").mkdir()
     if what == "sparse":
@@ -251,7 +253,7 @@ def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
 def test_dcps_checkpoint_exception_is_one_line():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from multicard import shards
+    from multicard.checkpoints import shards
 
     try:
         raise KeyError("layer.weight missing")
@@ -289,9 +291,10 @@ def test_a_ddp_checkpoint_with_optimizers_under_fsdp_is_one_line(tmp_path):
 
 
 def test_a_checkpoint_write_stopped_by_a_file_size_limit_is_one_line(tmp_path):
-    from multicard import checkpoint
+    from multicard.checkpoints import plain as checkpoint
 
-    done = bounded("import resource, torch\nfrom multicard import checkpoint\nfrom multicard.errors import UsageError\n"
+    done = bounded("import resource, torch\nfrom multicard.checkpoints import plain as checkpoint\n"
+                   "from multicard.errors import UsageError\n"
                    "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
                    f"try:\n    checkpoint.write_atomic({{'w': torch.zeros(100000)}}, {str(tmp_path / 'state.pt')!r})\n"
                    "except UsageError as e:\n    print(e)")
@@ -300,7 +303,7 @@ def test_a_checkpoint_write_stopped_by_a_file_size_limit_is_one_line(tmp_path):
 
 
 def test_too_many_workers_is_one_line():
-    from multicard.config import TrainConfig
+    from multicard.trainer.config import TrainConfig
 
     with pytest.raises(UsageError, match=r"--workers 100000: at most \d+ DataLoader worker processes"):
         TrainConfig(workers=100000).validate()
@@ -344,7 +347,7 @@ def test_a_part_name_taken_by_something_else_is_one_line(tmp_path, what):
     part.parent.mkdir()
     os.mkfifo(part) if what == "fifo" else part.write_text("mine") if what == "file" else part.mkdir()
     with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"):
-        resume.fresh(part, OLD)
+        saves.fresh(part, OLD)
     assert safefs.kind(part) == what
 
 
@@ -356,11 +359,11 @@ def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", refused)
     with pytest.raises(UsageError, match=rf"run-{OLD}: cannot be made \(Permission denied\)"):
-        resume.claim(tmp_path, None)
+        saves.claim(tmp_path, None)
     monkeypatch.undo()
     monkeypatch.setattr(os, "replace", refused)  # the folders made, run.json not written
     with pytest.raises(UsageError, match=r"cannot write into checkpoints/ \(Permission denied\)"):
-        resume.claim(tmp_path, None)
+        saves.claim(tmp_path, None)
     monkeypatch.undo()
     assert resume.owner(tmp_path)["run"] == OLD
 

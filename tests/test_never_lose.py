@@ -17,7 +17,7 @@ from conftest import shown, tiny_images
 from multicard.checkpoints import shards
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.trainer import resume
+from multicard.trainer import resume, saves
 from multicard.trainer.outdir import FILES, Output
 
 LIGHT = dict(quiet=True, batch_size=24, strategy="single", devices="cpu")  # 96 samples: 4 steps per epoch
@@ -72,7 +72,7 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside_and_keeps_its_own(e
 def test_auto_after_a_fresh_run_killed_before_its_first_checkpoint_starts_over(earlier, tmp_path):
     out = copy(earlier, tmp_path / "out")
     assert resume.resolve("auto", out).parent.name == "step-00000012"
-    resume.claim(out, None)  # what a fresh run's start does; then it is killed
+    saves.claim(out, None)  # what a fresh run's start does; then it is killed
     assert resume.resolve("auto", out) is None  # the newest run started from the beginning: so does auto
 
 
@@ -80,9 +80,9 @@ def test_going_on_from_the_newest_keeps_the_run_a_rewind_is_a_new_one(earlier, t
     out = copy(earlier, tmp_path / "out")
     first = resume.owner(out)["run"]
     newest = resume.resolve("auto", out)
-    assert resume.claim(out, newest) == first and len(resume.whole(out, first)) == 2  # --resume auto, a restart
+    assert saves.claim(out, newest) == first and len(resume.whole(out, first)) == 2  # --resume auto, a restart
     older = out / "checkpoints" / "step-00000011" / "state.pt"
-    rewound = resume.claim(out, older)
+    rewound = saves.claim(out, older)
     assert rewound != first
     assert [p.name for p in resume.whole(out)] == ["step-00000011"]  # read from where it is; step-12 aside
     assert (out / "checkpoints" / f"run-{first}" / "step-00000012" / "state.pt").is_file()
@@ -202,7 +202,7 @@ def test_a_checkpoints_link_is_refused_and_nothing_outside_deleted(tmp_path):
         run(out, save_every_steps=1, keep_checkpoints=1)
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
     with pytest.raises(UsageError, match="through a link"):
-        resume.drop(out / "checkpoints" / "step-00000001")
+        saves.drop(out / "checkpoints" / "step-00000001")
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
 
 

@@ -105,15 +105,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from . import data, models
-    from .trainer.resume import inherit, resolve
     from .trainer.run import train
+    from .trainer.start import decide
 
     flags = given(args)
     config = TrainConfig(**flags)
     config.validate()
-    found = resolve(config.resume, config.out) if config.resume else None
-    if found is not None:  # the model and the data are the resumed run's, unless given (and then refused if other)
-        config = inherit(found, config, set(flags))
+    # the model and the data are the resumed run's, unless given (and then refused if other); train decides the
+    # same way, with the job's processes
+    config = decide(config, set(flags)).config
     torch.manual_seed(config.seed)  # the same initial weights in every process and every run
     model = models.build(config.model)
     shape = getattr(model, "input_shape", (1, 28, 28))

@@ -22,7 +22,7 @@ from ..data.images import ImageData
 from ..errors import UsageError
 from ..front.memory import shard_bytes
 from ..front.multicard import Multicard
-from . import resume as resume_module
+from . import saves
 from .config import TrainConfig
 from .observe import Progress, straggler
 from .report import say
@@ -94,7 +94,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
                     "config": asdict(config)}
-        resume_module.write(mc, config.out, steps, {**objects, **progress}, config.keep_checkpoints)
+        saves.write(mc, config.out, steps, {**objects, **progress}, config.keep_checkpoints)
         saved[0] = steps
 
     for epoch in range(train_loader.epoch, config.epochs):

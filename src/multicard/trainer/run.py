@@ -33,7 +33,8 @@ from .observe import straggler
 from .outdir import FILES, OPTIONAL, Output
 from .recipe import make_optimizer, make_scheduler
 from .report import Report, say
-from .resume import claim, describe, inherit, resolve
+from .saves import claim
+from .start import Start, decide, restart
 
 
 def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = None,
@@ -71,11 +72,10 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
-    if config.resume:  # the resumed run's recipe, where not given
-        found = resolve(config.resume, config.out)
-        config = inherit(found, config, given) if found is not None else config
     chosen = config.batch_size is not None or config.accumulate > 1  # the batch given, not the auto one
-    config = config.settled(mc.world_size)  # the auto batch and rate, for this many processes
+    # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)
+    start = decide(config, given, mc.world_size)
+    config = start.config
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
     if chosen and config.batch_size > len(train_data):  # one short step a epoch, under a batch that never ran
@@ -86,29 +86,26 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     # rank 0 holds --out (a lock) for the whole run, restarts included; the other ranks of a launched job write
     # only their parts of checkpoints
     with Output(config.out) if mc.job.rank == 0 else contextlib.nullcontext() as output:
-        summary = attempts(mc, output, args, config, recipe)
+        summary = attempts(mc, output, args, start, recipe)
     if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
         checkpoint.load(model, Path(config.out) / "model.pt")  # up trained too, as with one process
     return summary
 
 
-def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainConfig, recipe: tuple) -> dict:
-    """Run the job; where a process dies and restarts are left, stop all and start again from the newest
-    checkpoint. Rank 0 shows the run's files in --out only once it has ended well."""
+def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, recipe: tuple) -> dict:
+    """Run the job as `start` says; where a process dies and restarts are left, stop all and start again from the
+    newest checkpoint. Rank 0 shows the run's files in --out only once it has ended well."""
     # under torchrun --max-restarts, torchrun restarts the processes and counts (0 elsewhere)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) if mc.launcher == "torchrun" else 0
-    resume, talk = config.resume, output is not None and not config.quiet
+    config = start.config
     while True:
-        path = resolve(resume, config.out)
-        if path is not None and output is not None:
-            say(f"resuming from {path} ({describe(path, config)})")
-        elif resume == "auto" and talk:
-            say(f"no checkpoint in {Path(config.out) / 'checkpoints'}: starting from the beginning")
+        if output is not None and start.line and (start.checkpoint is not None or not config.quiet):
+            say(start.line)
         run = output.new_run() if output is not None else None
         if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
-            claim(config.out, path)
+            claim(config.out, start.checkpoint)
         try:
-            summary = mc.launch(worker, *args, config, recipe, run, path, restarts)
+            summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
         except RankFailed as e:
             output.discard(run)
             # a process stopped on purpose (Ctrl-C or SIGTERM to it alone) is not restarted: someone meant it
@@ -119,7 +116,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, config: TrainCon
                 trace = f"{e.trace.rstrip()} ({spent})" if said(e.rank, e.trace) else \
                     f"{e.trace.rstrip()}\nmulticard: rank {e.rank} failed ({spent})"
                 raise RankFailed(e.rank, trace) from None
-            restarts, resume = restarts + 1, "auto"
+            restarts, start = restarts + 1, restart(start)
             say(f"rank {e.rank} failed; restart {restarts} of {config.max_restarts}, from the newest checkpoint")
             output.clean()  # what the failed attempt left half-written
             continue

@@ -1,0 +1,145 @@
+"""Writing a run's checkpoints in --out/checkpoints: claiming the folder for a run (the earlier runs' checkpoints
+moved aside, nothing deleted), writing each checkpoint whole, and pruning this run's oldest. The layout and the
+ownership rules are in resume.py's docstring; reading is there too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from .. import safefs
+from ..errors import UsageError
+from ..front.multicard import Multicard
+from .outdir import MARK
+from .report import say
+from .resume import FOLDER, OWNER, newest, owner, run_of, same, whole
+
+
+def new_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def claim(out: str | Path, resumed: Path | None) -> str:
+    """Rank 0, before a run's processes start: the id of this run. Going on from what --resume auto would (the
+    owner's newest) keeps the owner's; any other start is a new run, which claims the folder and moves the
+    earlier runs' checkpoints into checkpoints/run-<id>/ (the one resumed from stays where it is read).
+
+    The claim comes first, in one rename of run.json, and the moves after it: a kill at any instant leaves
+    --resume auto either the earlier run (before the rename) or the new one (after it: it goes on from where
+    the new run started, never from an earlier run's checkpoint); the next start moves what is left."""
+    try:
+        return claimed(out, resumed)
+    except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
+        raise UsageError(f"--out {out}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
+                         f"choose another --out") from None
+
+
+def claimed(out: str | Path, resumed: Path | None) -> str:
+    own = owner(out)
+    folder = Path(out) / FOLDER
+    keep = [resumed.parent] if resumed is not None else []
+    if own is not None and resumed is not None and same(resumed, newest(out)):
+        run = own["run"]
+        keep += [Path(own["from"]).parent] if isinstance(own.get("from"), str) else []
+    else:
+        run = new_id()
+        if resumed is None and safefs.kind(folder) is None:  # nothing to claim yet: the first checkpoint claims it
+            return run
+        places(out, run, keep)  # every folder a move needs, checked before anything changes
+        safefs.make_folder(folder, f"--out {out}: {FOLDER}")
+        record = {"run": run, "from": os.path.abspath(resumed) if resumed is not None else None}
+        safefs.write_file(folder / OWNER, (json.dumps(record) + "\n").encode())
+    moved: dict[Path, list[str]] = {}
+    for old, place in places(out, run, keep).items():
+        moved.setdefault(aside(old, run, place), []).append(old.name)
+    for place, names in moved.items():
+        say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {place}: nothing deleted; "
+            f"--resume {place} goes on from that run")
+    return run
+
+
+def places(out: str | Path, run: str, keep: list[Path]) -> dict[Path, Path]:
+    """{checkpoint: the folder it goes into} for every whole checkpoint in --out that is not `run`'s nor in
+    `keep`; each folder is made (a real one: a link or a file under that name is refused in one line)."""
+    found = {}
+    for old in whole(out):
+        if run_of(old) != run and not any(same(old, k) for k in keep):
+            found[old] = folder_aside(old, run)
+    return found
+
+
+def folder_aside(checkpoint: Path, run: str) -> Path:
+    """checkpoints/run-<the id of the run that wrote `checkpoint`>/, made if missing (never through a link). One
+    written before runs had ids (or whose marker is not an id) goes into run-unnamed-<this run's id>/."""
+    place = checkpoint.parent / f"run-{run_of(checkpoint) or 'unnamed-' + run}"
+    return safefs.make_folder(place, f"{place}")
+
+
+def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
+    """Move an earlier run's checkpoint into its folder aside (never over another); returns that folder."""
+    place = place or folder_aside(checkpoint, run)
+    target, n = place / checkpoint.name, 1
+    while safefs.kind(target) is not None:
+        n += 1
+        target = place / f"{checkpoint.name}~{n}"
+    os.replace(checkpoint, target)
+    return place
+
+
+def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) -> None:
+    """Every rank: its part of checkpoint step-<steps>; then rank 0 makes it whole and drops this run's oldest
+    beyond `keep` (0: none dropped)."""
+    final = Path(out) / FOLDER / f"step-{steps:08d}"
+    part = final.with_name(final.name + ".part")
+    run = None
+    if mc.is_main:
+        safefs.make_folder(part.parent, f"--out {out}: {FOLDER}")  # first: claim() records the run there
+        run = (owner(out) or {}).get("run") or claim(out, None)
+        fresh(part, run)
+        state = {**state, "run": run}
+    mc.barrier()  # the other ranks write into the folder rank 0 made, never into one planted before
+    mc.save(part / "state.pt", state)
+    mc.barrier()  # every rank's part is on disk
+    if mc.is_main:
+        if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
+            drop(final)
+        elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
+            aside(final, run)
+        os.replace(part, final)
+        for old in whole(out, run)[:-keep] if keep else []:
+            drop(old)
+
+
+def fresh(part: Path, run: str) -> None:
+    """Rank 0: the folder step-N.part, made new and marked as `run`'s. One this run left (an earlier attempt) is
+    made anew; a link, a file, a FIFO or another's folder under that name is refused in one line, never written
+    through or into."""
+    found = safefs.kind(part)
+    if found == "folder" and run_of(part) == run:
+        shutil.rmtree(part)
+    elif found is not None:
+        raise UsageError(f"{part}: a {found} multicard did not make is in the way of this checkpoint; move it "
+                         f"elsewhere and run again (--resume auto goes on)")
+    try:
+        part.mkdir()
+        fd, tmp = safefs.create(part, MARK)
+        with os.fdopen(fd, "w") as f:
+            f.write(run + "\n")
+        os.replace(tmp, part / MARK)  # first: a kill from here on leaves a folder provably ours
+    except OSError as e:
+        raise UsageError(f"cannot write {part} ({e.strerror}); choose another --out") from None
+
+
+def drop(checkpoint: Path) -> None:
+    """Out of the list of whole checkpoints at once (one rename), then deleted: a kill half-way through the
+    deletion leaves no checkpoint that looks whole and is not. Never through a link."""
+    if checkpoint.is_symlink() or checkpoint.parent.is_symlink():
+        raise UsageError(f"{checkpoint}: reached through a link; multicard deletes only in folders of its own")
+    gone = checkpoint.with_name(f"{checkpoint.name}.{secrets.token_hex(4)}.dropped.part")  # never one planted
+    os.replace(checkpoint, gone)
+    shutil.rmtree(gone, ignore_errors=True)
