@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import dist, lifeline, slots
+from .devices import cpu_cores
 from .errors import UsageError
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
@@ -255,13 +256,14 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
     server = store()
     folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
+    env = {**threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}
     with Signals() as signals:
         try:
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
                     slots.new_slot(slot_path(folder, rank))
-                    procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
+                    procs.append(subprocess.Popen(command, env={**os.environ, **env,
                                                                 **job_env(rank, nprocs, server.port, folder)},
                                                   preexec_fn=lambda: lifeline.die_with(parent)))
             failed = first_failure(procs, folder)
@@ -288,6 +290,15 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             terminate(procs)
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def threads(nprocs: int, env: dict[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS for each of `nprocs` processes on this machine, unless `env` has it: as torchrun does, but
+    the cores // nprocs that a ddp process on the CPU takes anyway (torchrun's 1 leaves cores idle when the
+    processes are fewer than the cores; its own warning says to tune it). One process: torch's default."""
+    if nprocs < 2 or "OMP_NUM_THREADS" in env:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cpu_cores() // nprocs))}
 
 
 def relaunch(strategy: Strategy) -> None:
