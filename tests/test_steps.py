@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import multicard
 from conftest import run_cli
-from multicard import launcher
+from multicard import devices
 from multicard.data.keyed import Seeded
 from multicard.data.loaders import shard
 from multicard.errors import UsageError
@@ -218,12 +218,12 @@ SCRIPT = "import os, torch; print('threads', os.environ['RANK'], os.environ.get(
 
 
 def test_the_threads_each_rank_gets(monkeypatch):
-    monkeypatch.setattr(launcher, "cpu_cores", lambda: 16)
-    assert launcher.threads(1, {}) == {}  # one process: torch's default, as torchrun leaves it
-    assert launcher.threads(3, {}) == {"OMP_NUM_THREADS": "5"}
-    assert launcher.threads(2, {"OMP_NUM_THREADS": "3"}) == {}
-    monkeypatch.setattr(launcher, "cpu_cores", lambda: 2)
-    assert launcher.threads(3, {}) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 16)
+    assert devices.omp_threads(1, {}) == {}  # one process: torch's default, as torchrun leaves it
+    assert devices.omp_threads(3, {}) == {"OMP_NUM_THREADS": "5"}
+    assert devices.omp_threads(2, {"OMP_NUM_THREADS": "3"}) == {}
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 2)
+    assert devices.omp_threads(3, {}) == {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("nprocs, given", [(1, None), (2, None), (3, "2")])
@@ -234,7 +234,7 @@ def test_multicard_run_sets_omp_num_threads_for_each_rank(tmp_path, monkeypatch,
     result = run_cli("run", "--devices", f"cpu:{nprocs}", str(script), env={"OMP_NUM_THREADS": given} if given else {})
     assert result.returncode == 0, result.stderr
     seen = re.findall(r"threads (\d) (\S+) (\d+)", result.stdout)
-    expected = given or launcher.threads(nprocs, {}).get("OMP_NUM_THREADS", "None")
+    expected = given or devices.omp_threads(nprocs, {}).get("OMP_NUM_THREADS", "None")
     assert sorted(rank for rank, _, _ in seen) == [str(r) for r in range(nprocs)]
     for _, omp, count in seen:
         assert omp == expected

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import dist, lifeline, slots
-from .devices import cpu_cores
+from .devices import omp_threads
 from .errors import UsageError
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
@@ -256,7 +256,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
     server = store()
     folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
-    env = {**threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}
+    env = {**omp_threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # as torchrun sets it
     with Signals() as signals:
         try:
             parent = os.getpid()
@@ -290,15 +290,6 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             terminate(procs)
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def threads(nprocs: int, env: dict[str, str]) -> dict[str, str]:
-    """OMP_NUM_THREADS for each of `nprocs` processes on this machine, unless `env` has it: as torchrun does, but
-    the cores // nprocs that a ddp process on the CPU takes anyway (torchrun's 1 leaves cores idle when the
-    processes are fewer than the cores; its own warning says to tune it). One process: torch's default."""
-    if nprocs < 2 or "OMP_NUM_THREADS" in env:
-        return {}
-    return {"OMP_NUM_THREADS": str(max(1, cpu_cores() // nprocs))}
 
 
 def relaunch(strategy: Strategy) -> None:
