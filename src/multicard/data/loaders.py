@@ -26,7 +26,9 @@ from ..errors import UsageError
 from ..jobs import lifeline
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
+from . import uneven
 from .images import ImageData
+from .keyed import Keyed, Seeded, the_seed
 from .order import Agree, GlobalOrder, Permutation, ShardSampler, base_seed
 from .pipelines import Split, read_whole
 
@@ -84,7 +86,7 @@ class Sharded:
     @property
     def sampler(self) -> Sampler:
         sampler = self.inner.sampler
-        return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
+        return sampler.sampler if isinstance(sampler, (BatchSampler, Keyed)) else sampler
 
     @property
     def local_batch_size(self) -> int | None:
@@ -150,6 +152,8 @@ class Sharded:
         ordered = isinstance(self.sampler, GlobalOrder)
         if ordered:  # the served part of a resumed epoch is left out of the order: never loaded
             self.sampler.start = skip
+        if isinstance(self.inner.sampler, Keyed):  # seed_per_sample: the draws are keyed by this epoch
+            self.inner.sampler.epoch = epoch
         self.started = [generator.get_state() for generator in self.generators]
         self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
         k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
@@ -162,6 +166,10 @@ class Sharded:
             if k > 1:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
+            if ordered:  # this process's rows of a short last step, weighted as one process weighs them
+                order = self.sampler
+                uneven.record(uneven.loader_weight(order.size, order.batch, k, order.rank, order.world,
+                                                   skip // g + i, self.share))
             self.place = (epoch, skip + (i + 1 - drop) * g)
             progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
             yield batch if there else to_device(batch, self.device)
@@ -194,13 +202,16 @@ class Sharded:
 
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
           local_batch: Callable[..., int], agree: Agree | None = None, global_batch: bool = True,
-          device_data: bool | str | None = False, accumulate: int = 1) -> Sharded:
+          device_data: bool | str | None = False, accumulate: int = 1, seed_per_sample: bool | int = False) -> Sharded:
     """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
     if not isinstance(loader, DataLoader):
         raise UsageError(f"setup_dataloader takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
     dataset, accumulate = loader.dataset, accumulate if train else 1  # evaluation takes no optimizer steps
+    if seed_per_sample is not False and (isinstance(loader.sampler, DistributedSampler) or read_whole(loader)):
+        raise UsageError("seed_per_sample needs a DataLoader with batch_size over a map-style dataset, dealt out by "
+                         "multicard (a loader read whole draws in every process what one process draws already)")
     if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
         if device_data is True:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
@@ -229,22 +240,26 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     draws = Permutation(len(dataset), loader.sampler.generator, agree if train else None) if shuffled else None
     if train:
         order = GlobalOrder(len(dataset), rank, world, draws, drop_last=loader.drop_last,
-                            step=local * world * accumulate)
+                            step=local * world * accumulate, batch=local * world)
     else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
         order = ShardSampler(len(dataset), rank, world, draws)
-    whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate
+    whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate and \
+        seed_per_sample is False
     if device_data in (None, "auto"):
         device_data, why = on_card(dataset.tensors, device) if whole_batches else (False, "")
         if why and rank == 0:
             print(f"multicard: {why}", file=sys.stderr, flush=True)
     if device_data and not whole_batches:
-        raise UsageError("device_data=True needs a TensorDataset and the default collate_fn")
+        raise UsageError("device_data=True needs a TensorDataset, the default collate_fn and no seed_per_sample")
     if whole_batches and (device_data or loader.num_workers == 0):
         return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
     kept = {name: getattr(loader, name) for name in KEPT}
     kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn)  # workers end with this process
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
         inner = DataLoader(dataset, batch_size=None, sampler=BatchSampler(order, local, drop_last=False), **kept)
+    elif seed_per_sample is not False:  # each index goes with its epoch; the dataset seeds the draws from both
+        inner = DataLoader(Seeded(dataset, the_seed(seed_per_sample, agree)), batch_size=local, sampler=Keyed(order),
+                           collate_fn=loader.collate_fn, **kept)
     else:
         inner = DataLoader(dataset, batch_size=local, sampler=order, collate_fn=loader.collate_fn, **kept)
     return Sharded(inner, loader, device, accumulate)

@@ -105,13 +105,15 @@ class GlobalOrder(Sampler[int]):
     process, dealt out by rank: index i of the order goes to process i % world. With a per-process batch b, step
     k of the N processes together takes positions k*N*b .. (k+1)*N*b - 1: the step one process takes at batch N*b.
 
-    The order is padded with its first indices to a multiple of the world (as DistributedSampler pads), or, with
-    `drop_last`, cut to whole global steps of `step` samples."""
+    With `drop_last` the order is cut to whole global steps of `step` samples. Without, its last global batch of
+    `batch` samples (N*b) may be short: it is dealt as it is, the processes' parts differing by one (uneven.py
+    weights them by their rows), and only where it has fewer samples than processes do those left without one
+    get a repeat of the order's first indices (as DistributedSampler pads), which uneven.py weights 0."""
 
     def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None,
-                 drop_last: bool = False, step: int = 1):
+                 drop_last: bool = False, step: int = 1, batch: int | None = None):
         self.size, self.rank, self.world, self.draws = size, rank, world, draws
-        self.drop_last, self.step = drop_last, step
+        self.drop_last, self.step, self.batch = drop_last, step, batch or world
         self.start = 0  # positions of the order served already (a resumed epoch): skipped, never loaded
 
     @property
@@ -124,10 +126,18 @@ class GlobalOrder(Sampler[int]):
         indices = self.draws.draw() if self.draws is not None else torch.arange(self.size)
         if self.drop_last:
             indices = indices[: self.size // self.step * self.step]
-        elif self.size % self.world:
-            total = -(-self.size // self.world) * self.world
-            indices = indices.repeat(-(-total // self.size))[:total]
-        return indices[self.rank::self.world][self.start // self.world:]
+        elif self.total > self.size:
+            indices = indices.repeat(-(-self.total // self.size))[:self.total]
+        return indices[self.start:][self.rank::self.world]
+
+    @property
+    def total(self) -> int:
+        """Positions in a pass: whole steps with drop_last; else every sample, plus the repeats that give each
+        process a row of a last global batch shorter than the world."""
+        if self.drop_last:
+            return self.size // self.step * self.step
+        short = self.size % self.batch
+        return self.size + (self.world - short if 0 < short < self.world else 0)
 
     def finish(self) -> None:
         if self.draws is not None:
@@ -138,5 +148,4 @@ class GlobalOrder(Sampler[int]):
         self.finish()
 
     def __len__(self) -> int:
-        total = self.size // self.step * self.step if self.drop_last else -(-self.size // self.world) * self.world
-        return max(0, total - self.start) // self.world
+        return len(range(self.start + self.rank, self.total, self.world))

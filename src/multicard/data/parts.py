@@ -9,7 +9,7 @@ by at most one sample where the batch does not split evenly.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,28 @@ def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     base, extra = divmod(size, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (rank < extra)
+
+
+def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(where, value) for every tensor or number in dicts, lists and tuples, in a fixed order."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from leaves(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def rebuild(obj: Any, values: Iterator) -> Any:
+    """`obj`'s structure with its leaves taken in order from `values` (named tuples and list subclasses kept)."""
+    if isinstance(obj, dict):
+        return type(obj)((k, rebuild(v, values)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        items = [rebuild(v, values) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return next(values)
 
 
 def _is_structure(items: list | tuple) -> bool:

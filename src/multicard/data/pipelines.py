@@ -16,8 +16,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..errors import UsageError
+from . import uneven
 from .order import Agree, same_everywhere
-from .parts import part, samples
+from .parts import samples
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:
@@ -78,8 +79,8 @@ class Split:
                                  f"list to split between the processes")
             if i == 0 and self.agree is not None:
                 self._check(batch, size)
-            if size >= self.world:
-                yield part(batch, self.rank, self.world)
+            if size >= self.world:  # its part, weighted by its rows (uneven.py)
+                yield uneven.local(batch, self.rank, self.world)
 
     def _check(self, batch: Any, size: int) -> None:
         """The first batch of each pass, compared between the processes (one collective a pass): a loader that

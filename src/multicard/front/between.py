@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..data import parts
+from ..data import parts, uneven
 from . import collectives
 from .loggers import scalars
 
@@ -21,11 +21,11 @@ class Between:
 
     # -- this process's part (data/parts.py) ------------------------------------------------------------------
     def local(self, batch: Any, dim: int = 0) -> Any:
-        """This process's contiguous part of a global batch that every process built alike (e.g. by hand from
-        one long tensor: mc.local(batchify(data, 20), dim=1) keeps its columns): a tensor, a list of per-sample
-        values, or dicts / lists / tuples of them, cut along `dim`; parts differ by at most one sample."""
+        """This process's contiguous part of a global batch every process built alike (e.g. mc.local(batchify(data,
+        20), dim=1) keeps its columns): a tensor, a list of per-sample values, or dicts / lists / tuples of them,
+        cut along `dim`; parts differ by at most one sample, the gradient weighted by the part's rows (uneven.py)."""
         self._start()
-        return parts.part(batch, self.rank, self.world_size, dim)
+        return uneven.local(batch, self.rank, self.world_size, dim)
 
     def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
         """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..data.parts import bounds
+from ..data.parts import bounds, leaves, rebuild
 from ..errors import UsageError
 from ..strategies import Strategy
 
@@ -23,28 +23,6 @@ OPS = ("sum", "mean", "max", "min")
 # The shape check costs a collective of its own: 1.3-1.7% of a LeNet-5 ddp step on 2 loaded CPU cores (see
 # docs/your-loop.md), over the 1% an always-on check may cost; so it is a debugging switch.
 CHECK_SHAPES = "MULTICARD_CHECK_SHAPES"
-
-
-def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(where, value) for every tensor or number in dicts, lists and tuples, in a fixed order."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from leaves(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from leaves(value, f"{path}[{i}]")
-    else:
-        yield path, obj
-
-
-def rebuild(obj: Any, values: Iterator) -> Any:
-    """`obj`'s structure with its leaves taken in order from `values` (named tuples and list subclasses kept)."""
-    if isinstance(obj, dict):
-        return type(obj)((k, rebuild(v, values)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        items = [rebuild(v, values) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return next(values)
 
 
 def _describe(structure: Any) -> list[tuple[str, str]]:

@@ -26,10 +26,10 @@ from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy
-from . import memory
+from . import closure, memory
 from .between import Between
 from .loggers import make_loggers
-from .precision import PRECISIONS, autocast, step_through_scaler
+from .precision import PRECISIONS, autocast
 from .prepared import Prepared
 from .processes import launched, make_strategy
 from .saving import Checkpoints
@@ -191,11 +191,11 @@ class Multicard(Between, Checkpoints):
         return (prepared, *optimizers) if optimizers else prepared
 
     def setup_optimizers(self, *optimizers: torch.optim.Optimizer) -> Any:
-        """For optimizers built after setup(model) (e.g. over model.parameters() on the device): given back as
-        they are, except that under fp16 their step() goes through the gradient scaler."""
+        """For optimizers built after setup(model): given back as they are, but fp16's step() goes through the
+        gradient scaler, and on 2+ processes step(closure) gets the whole batch's loss (LBFGS steps as on one)."""
         self._start()
-        for optimizer in optimizers if self.scaler is not None else ():
-            step_through_scaler(optimizer, self.scaler, self._skipped)
+        for optimizer in optimizers:
+            closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     @property
@@ -209,31 +209,30 @@ class Multicard(Between, Checkpoints):
         return self._strategy.wrap_loss(criterion)
 
     def setup_dataloader(self, loader: DataLoader, train: bool = True, *, global_batch: bool = True,
-                         device_data: bool | str | None = False, accumulate: int = 1) -> Sharded:
+                         device_data: bool | str | None = False, accumulate: int = 1,
+                         seed_per_sample: bool | int = False) -> Sharded:
         """This process's share of `loader`, its batches on the device, reshuffled on each pass.
-
-        Everything the loader was built with is kept (workers, collate_fn, pin_memory, drop_last, ...); only the
-        sampler is replaced. Its batch_size is the GLOBAL batch: N processes take, step by step, the samples
-        one process takes (one order, dealt out: the permutation the plain loader would draw, from the same
-        numbers of its generator, or of the global RNG, rank 0's), so the batch must split over the processes.
-        global_batch=False keeps batch_size per process instead. An IterableDataset or a batch sampler of the
-        user's is read whole by every process, each keeping its contiguous part of each batch.
-        train=False: exact shards for evaluation, each sample in one process, none repeated. A loader with a
-        DistributedSampler of its own is kept as it is (its set_epoch called on each pass). device_data=True
-        holds a TensorDataset on the device and cuts batches there; "auto" does that on a card when the tensors
-        take at most a quarter of its free memory (else says so, and copies each batch).
-
+        The loader's settings are kept (workers, collate_fn, drop_last, ...); only the sampler is replaced. Its
+        batch_size is the GLOBAL batch: N processes take, step by step, the samples one process takes (the plain
+        loader's permutation, from the same numbers of its generator, or of rank 0's global RNG, dealt out), so
+        it must split over the processes; a short last batch is weighted by rows (uneven.py). global_batch=False
+        keeps batch_size per process. An IterableDataset or a batch sampler of the user's is read whole by every
+        process, each keeping its contiguous part of each batch. train=False: exact shards for evaluation, each
+        sample in one process. A loader's own DistributedSampler is kept (set_epoch called on each pass).
+        device_data=True holds a TensorDataset on the device and cuts batches there; "auto" does that on a card
+        when the tensors take at most a quarter of its free memory (else says so, and copies each batch).
+        seed_per_sample=True (or a seed; True: torch.initial_seed()) seeds torch, random and numpy from (seed,
+        epoch, index) around each __getitem__ (data/keyed.py): N processes, and workers, draw one process's.
         accumulate=K: batch_size stays the samples per optimizer step, served as K micro-batches; after each,
         `loader.step_ends` says whether it ends its step and `loader.share` is its part of the step's samples
-        (scale its loss by that: the short last step of an epoch is weighted by samples, not by count).
-        """
+        (scale its loss by that: the short last step of an epoch is weighted by samples, not by count)."""
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
         agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
-                     device_data=device_data, accumulate=accumulate)
+                     device_data=device_data, accumulate=accumulate, seed_per_sample=seed_per_sample)
 
 
     def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:

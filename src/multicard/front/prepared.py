@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoints.plain import unprefixed
+from ..data import uneven
 from ..errors import UsageError
 from .precision import to_fp32
 
@@ -50,6 +51,8 @@ class Prepared(nn.Module):
         else:
             with torch.autocast(device_type, dtype):
                 out = to_fp32(self.forward_module(*args, **kwargs))
+        if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
+            out = uneven.weigh(out)
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
                 self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
             self._watch_backward(out)

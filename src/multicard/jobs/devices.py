@@ -95,6 +95,16 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def omp_threads(nprocs: int, env: dict[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS for each of `nprocs` processes a launcher starts on this machine, unless `env` has it. As
+    torchrun sets it, but to the cores // nprocs a ddp process on the CPU takes anyway (torchrun's 1 leaves cores
+    idle where the processes are fewer than the cores; its own warning says to tune it). One process: torch's
+    default, untouched."""
+    if nprocs < 2 or "OMP_NUM_THREADS" in env:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, cpu_cores() // nprocs))}
+
+
 def count_cards() -> tuple[int, bool]:
     """How many CUDA cards are visible, and whether CUDA is still unstarted (so visibility can be set).
 

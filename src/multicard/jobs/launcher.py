@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import lifeline, slots
+from .devices import omp_threads
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
 
 
@@ -253,13 +254,14 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
     server = store()
     folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
+    env = {**omp_threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # as torchrun sets it
     with Signals() as signals:
         try:
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
                     slots.new_slot(slot_path(folder, rank))
-                    procs.append(subprocess.Popen(command, env={**os.environ, **(env or {}),
+                    procs.append(subprocess.Popen(command, env={**os.environ, **env,
                                                                 **job_env(rank, nprocs, server.port, folder)},
                                                   preexec_fn=lambda: lifeline.die_with(parent)))
             failed = first_failure(procs, folder)

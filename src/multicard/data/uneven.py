@@ -1,0 +1,89 @@
+"""Uneven splits: where multicard cuts a global batch whose rows do not split evenly over the processes, each
+process's gradient is weighted by its share of the rows, so N processes take the step one process takes.
+
+A loss is a mean over a process's rows, as one process's is over the whole batch. DDP and FSDP average the
+processes' gradients, (1/N) sum_r grad(mean_r); one process takes sum_r (k_r/n) grad(mean_r), where process r
+holds k_r of the step's n rows. So process r's gradient is multiplied by its weight N*k_r/n before the average:
+1 where the rows split evenly (then nothing at all is done), else e.g. 4/3 and 2/3 for 3 rows over 2 processes,
+and 0 for a process that holds only a padded repeat (a last batch with fewer rows than processes).
+
+The weight is recorded where the split is made (mc.local, the set-up loader, a loader read whole) and applied by
+the set-up model to the gradient that flows back into its outputs, so `loss.backward()` and `mc.backward(loss)`
+alike get it, ddp and fsdp alike; it holds from the forward after the split until the next split. Where the
+batches come from a pipeline of the user's own, multicard cannot know the global batch: nothing is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from .parts import bounds, leaves, part, rebuild, samples
+
+_weight = [1.0]  # this process's weight for the forwards that follow (one job per process)
+
+
+def record(weight: float) -> None:
+    """The weight of this process's gradient from the next forward on."""
+    _weight[0] = float(weight)
+
+
+def current() -> float:
+    return _weight[0]
+
+
+def local(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
+    """mc.local: rank's contiguous part of a global batch, its weight N*k/n recorded."""
+    rows = samples(batch, dim)
+    if rows:
+        start, stop = bounds(rows, rank, world)
+        record(world * (stop - start) / rows)
+    return part(batch, rank, world, dim)
+
+
+def loader_weight(size: int, batch: int, accumulate: int, rank: int, world: int, micro: int, share: float) -> float:
+    """The weight of micro-batch `micro` of a set-up loader's pass (counted from the pass's first position), for
+    rank of world. The order of `size` samples is dealt round-robin in global micro-batches of `batch`,
+    `accumulate` to an optimizer step; only the last step can be short. The loop scales each micro-batch's loss
+    by its `share` of this process's samples in the step, so the weight recorded is what is left: N * (its real
+    rows) / (the step's rows) / share. A padded repeat (beyond `size`) is no real row: weight 0."""
+    step = batch * accumulate
+    first = micro // accumulate * step
+    rows = min(step, size - first)
+    if rows == step:  # a whole step: every process holds batch / N rows of each micro-batch
+        return 1.0
+    mine = len(range(micro * batch + rank, min((micro + 1) * batch, size), world))
+    return world * mine / rows / share
+
+
+class _Scaled(torch.autograd.Function):
+    """The identity forward; the gradient flowing back multiplied by `weight`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.weight, None
+
+
+def weigh(out: Any) -> Any:
+    """The set-up model's outputs, their gradients multiplied by this process's weight (1: `out` as it is)."""
+    weight = _weight[0]
+    if weight == 1:
+        return out
+    found = list(leaves(out))
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in found):
+        other = next((type(t).__name__ for _, t in found if not isinstance(t, (torch.Tensor, int, float, str))
+                      and t is not None), None)
+        if other is not None:
+            raise UsageError(f"this process holds an uneven share of the batch's rows (weight {weight:.4g}), which "
+                             f"multicard weights through the model's outputs, but the model returns a {other}: "
+                             f"return tensors (or dicts, lists, tuples of them)")
+        return out
+    return rebuild(out, (_Scaled.apply(t, weight) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                         for _, t in found))
