@@ -196,6 +196,7 @@ def test_what_cannot_be_sent_is_one_error_naming_it_before_any_rank_starts(kerne
     assert not mark.exists()
 
 
+@pytest.mark.slow
 def test_train_takes_a_model_class_defined_in_a_cell(kernel, tmp_path):
     cell = kernel.run(f"""
         from torch.utils.data import TensorDataset
