@@ -39,7 +39,7 @@ def test_backend_follows_the_device():
 def test_a_rank_failure_crosses_process_boundaries_intact():
     import pickle
 
-    from multicard.jobs.launcher import RankFailed
+    from multicard.jobs.failures import RankFailed
 
     again = pickle.loads(pickle.dumps(RankFailed(3, "Traceback ...\nValueError: x")))
     assert (again.rank, again.trace) == (3, "Traceback ...\nValueError: x")

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import multicard
 from conftest import ROOT, shown, tiny_images
 from multicard.errors import UsageError
-from multicard.jobs.launcher import RankFailed
+from multicard.jobs.failures import RankFailed
 from multicard.models import LeNet5
 from multicard.trainer import resume
 from multicard.trainer.outdir import Output

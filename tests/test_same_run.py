@@ -20,7 +20,7 @@ import torch
 import multicard
 from conftest import cuda, sharded, tiny_images
 from multicard.data.images import ImageData
-from multicard.jobs.launcher import RankFailed
+from multicard.jobs.failures import RankFailed
 from multicard.models import LeNet5
 from test_resume import DiesOnce
 

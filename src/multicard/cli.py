@@ -224,7 +224,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .jobs.launcher import RankFailed, Stopped, said
+    from .jobs.failures import RankFailed, Stopped, said
 
     try:
         return args.run(args)

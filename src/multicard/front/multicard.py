@@ -136,8 +136,10 @@ class Multicard(Between, Checkpoints):
                 self.close()
         if self._state != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
+        named = (("fn", fn), *((f"argument {i}", a) for i, a in enumerate(args, 1)), ("loggers", self.loggers))
         return launcher.spawn(launched, self._strategy.processes, (type(self), self._strategy, self.precision,
-                                                                      self.sync_batchnorm, fn, args, self.loggers))
+                                                                      self.sync_batchnorm, fn, args, self.loggers),
+                              named=named)
 
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:

@@ -28,36 +28,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline, slots
+from . import lifeline, shipping, slots, streams
 from .devices import omp_threads
+from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
-
-
-class RankFailed(Exception):
-    """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
-    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal).
-    `meant`: someone stopped that rank on purpose (SIGINT or SIGTERM to it alone), so it is not restarted."""
-
-    def __init__(self, rank: int, trace: str, meant: bool = False):
-        super().__init__(trace if said(rank, trace) else f"rank {rank} failed:\n{trace}")
-        self.rank, self.trace, self.meant = rank, trace, meant
-
-    def __reduce__(self):
-        return RankFailed, (self.rank, self.trace, self.meant)
-
-
-def said(rank: int, trace: str) -> bool:
-    """Whether a RankFailed's trace is a sentence about the rank rather than a traceback."""
-    return trace.startswith(f"rank {rank} ")
-
-
-class Stopped(BaseException):
-    """A signal to the launcher (SIGINT, SIGTERM, SIGHUP) stopped the job. A BaseException, as
-    KeyboardInterrupt is: no `except Exception` (a retry loop, a user's handler) takes it for a failure."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def free_port() -> int:
@@ -123,28 +97,34 @@ class Signals:
             raise Stopped(self.pending)
 
 
-def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
+def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tuple = ()) -> Any:
     """fn(*args) in `nprocs` fresh processes, ranks 0..nprocs-1 of one job; returns what rank 0's returned.
     The first failure stops them all: RankFailed names the rank to blame (UsageError for a bad input only a
     process could see). SIGINT, SIGTERM or SIGHUP here stops them all and raises Stopped: not a failure to
-    retry."""
+    retry. From a notebook, `python -` or `-c`, what `__main__` defined goes by value (shipping.py) and what the
+    processes print comes back here (streams.py). `named`: (name, object) for each thing the user passed, to
+    name the one that cannot be sent."""
     import multiprocessing
 
     server = store()
     folder = tempfile.mkdtemp(prefix="multicard-job-")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or CUDA
     processes: list = []
+    relay = streams.Relay(context)
     with Signals() as signals:
         try:
-            work = pickle.dumps((fn, args))  # opened in each process as _child says (not before it starts)
-            with signals.holding():  # every process started is known before a signal is acted on
+            work = shipping.pack((fn, args), named)  # opened in each process as _child says (not before it starts)
+            # every process started is known before a signal is acted on
+            with signals.holding(), shipping.main_left_out():
                 _tracker()
                 for rank in range(nprocs):
                     slots.new_slot(slot_path(folder, rank))
+                    ends = relay.ends()
                     process = context.Process(target=_child, name=f"multicard rank {rank}",
-                                              args=(rank, work, nprocs, server.port, folder, os.getpid()))
+                                              args=(rank, work, nprocs, server.port, folder, os.getpid(), ends))
                     process.start()
                     processes.append(process)
+                    relay.started(ends)
             failed = first_failure_of(processes, folder)
             if failed is None:
                 with open(os.path.join(folder, "result"), "rb") as f:
@@ -153,6 +133,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3) -> Any:
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             stop(processes, grace_s)
+            relay.finish()  # what they printed last shows before what this raises
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -190,10 +171,11 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher: int) -> None:
+def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher: int, ends: list = ()) -> None:
     """The body of a spawned process: fn(*args) (pickled in `work`), and what became of it left in the job's
-    folder."""
+    folder. `ends`: the pipes its stdout and stderr go to, where the launcher shows them itself (a notebook)."""
     lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
+    streams.take(ends)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
         if signal.getsignal(s) is not signal.SIG_IGN:
             signal.signal(s, _raise_stopped)
@@ -214,7 +196,7 @@ def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher
         _fail("trace", traceback.format_exc())
     if rank == 0:
         with open(os.path.join(folder, "result"), "wb") as f:
-            pickle.dump(out, f)
+            f.write(shipping.dumps(out))  # an instance of a class a notebook defined comes back as one
 
 
 def _unpickled(work: bytes, rank: int, folder: str) -> tuple[Callable, tuple]:
@@ -293,7 +275,12 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
 def relaunch(strategy: Any) -> None:
     """Run this script again as each rank of a job, wait, and end this process with their exit code. `strategy`:
     the Strategy (its name, processes and devices; a layer above this one, so not imported here)."""
-    if not sys.argv or sys.argv[0] in ("", "-c") or not getattr(sys.modules["__main__"], "__file__", None):
+    if not shipping.main_runs_again():
+        raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
+                         f"{strategy.processes} processes, and a notebook (or python -, -c, the REPL) cannot run "
+                         f"again as each of them: put the loop in a function fn(mc) and call "
+                         f"multicard.launch(fn, devices=...) (or mc.launch(fn)); see docs/notebooks.md")
+    if not sys.argv or sys.argv[0] in ("", "-c"):
         raise UsageError(f"strategy {strategy.name} on {strategy.devices.count} devices needs "
                          f"{strategy.processes} processes: put the work in fn(mc) and call mc.launch(fn), or "
                          f"start the script with multicard run")

@@ -26,7 +26,7 @@ from ..front.loggers import TensorBoardLogger
 from ..front.memory import MB
 from ..front.multicard import Multicard
 from ..jobs import lifeline
-from ..jobs.launcher import RankFailed, said
+from ..jobs.failures import RankFailed, said
 from .config import TrainConfig, idle
 from .loop import accuracy, fit
 from .observe import straggler

@@ -1,0 +1,46 @@
+"""How a job ended badly, as the caller sees it: RankFailed (a rank failed: its traceback, or a sentence naming
+it) and Stopped (a signal to the launcher stopped the job). In a notebook each shows briefly (_render_traceback_).
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class RankFailed(Exception):
+    """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
+    that starts with "rank N " (it was interrupted, it stopped making progress, it ended with a signal).
+    `meant`: someone stopped that rank on purpose (SIGINT or SIGTERM to it alone), so it is not restarted."""
+
+    def __init__(self, rank: int, trace: str, meant: bool = False):
+        super().__init__(trace if said(rank, trace) else f"rank {rank} failed:\n{trace}")
+        self.rank, self.trace, self.meant = rank, trace, meant
+
+    def __reduce__(self):
+        return RankFailed, (self.rank, self.trace, self.meant)
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython (a notebook) shows: the rank's own traceback once, then one line naming the rank (not
+        the launcher's frames, nor the traceback again inside the message)."""
+        if said(self.rank, self.trace):
+            return [f"RankFailed: {self.trace.rstrip()}"]
+        return [*self.trace.rstrip().splitlines(), f"RankFailed: rank {self.rank} failed (its traceback is above); "
+                                                   f"every other rank was stopped"]
+
+
+def said(rank: int, trace: str) -> bool:
+    """Whether a RankFailed's trace is a sentence about the rank rather than a traceback."""
+    return trace.startswith(f"rank {rank} ")
+
+
+class Stopped(BaseException):
+    """A signal to the launcher (SIGINT, SIGTERM, SIGHUP) stopped the job. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` (a retry loop, a user's handler) takes it for a failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for a kernel interrupt (the stop button) during a launch: one line."""
+        return [f"Stopped: stopped by {self}; every rank was stopped"]

@@ -1,0 +1,108 @@
+"""What multicard.launch sends to the processes it starts: the function and its arguments, pickled.
+
+multiprocessing's spawn has each new process run this program's `__main__` again, to find there what it
+defined. A notebook, the REPL, `python -` and `python -c` have no file to run again, so what they defined (a
+function in a cell, a model class, what those refer to) travels by value instead (cloudpickle), and the new
+processes are started as if there were no `__main__` to run. A script (a file, or `python -m module`) keeps
+plain pickling by reference, as before. What cannot be sent even by value (an open file, a lock, a generator)
+is one clear error, before any process starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import sys
+import types
+from collections import ChainMap
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import cloudpickle
+
+from ..errors import UsageError
+
+
+def main_runs_again() -> bool:
+    """Whether a new process can import this program's `__main__` again: a script file, or `python -m name`.
+    Not so for a notebook's kernel, the REPL, `python -` (its file is "<stdin>") or `python -c`."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def dumps(obj: Any) -> bytes:
+    """`obj` pickled for another process of this job. What `__main__` defined goes by value where that process
+    cannot import it; elsewhere by reference (plain pickle), except what plain pickle refuses (a lambda)."""
+    if not main_runs_again():
+        return _by_value(obj)
+    try:
+        return pickle.dumps(obj)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return _by_value(obj)
+
+
+def _refuse_file(file: io.TextIOWrapper) -> None:
+    raise TypeError(f"cannot pickle '{type(file).__module__}.{type(file).__name__}' object")
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, less its copy of a text file open for reading (each process would get a snapshot of its
+    contents, read whole into memory): an open file is refused, as plain pickle refuses it."""
+
+    dispatch_table = ChainMap({io.TextIOWrapper: _refuse_file}, cloudpickle.Pickler.dispatch_table)
+
+
+def _by_value(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def pack(work: Any, named: Iterable[tuple[str, Any]]) -> bytes:
+    """`work` pickled (see dumps). Where that fails, a UsageError names the first of `named` (what the user
+    passed: "fn", "argument 2") that cannot be sent, and its type."""
+    try:
+        return dumps(work)
+    except Exception as e:  # pickling fails with many kinds: TypeError, PicklingError, AttributeError, ...
+        reason = _reason(e)
+        for name, obj in named:
+            try:
+                dumps(obj)
+            except Exception as inner:
+                what = "something it refers to" if isinstance(obj, types.FunctionType) else "it"
+                raise UsageError(f"{name} ({_kind(obj)}) cannot be sent to the other processes: {_reason(inner)}; "
+                                 f"make {what} inside the function instead, from what it is made of (a path, "
+                                 f"a number)") from None
+        raise UsageError(f"what launch sends to the other processes cannot be pickled: {reason}") from None
+
+
+@contextlib.contextmanager
+def main_left_out() -> Iterator[None]:
+    """While processes are started with multiprocessing's spawn: where `__main__` cannot run again, they are
+    started as if there were none (they need nothing from it: what it defined goes by value). The user's
+    `__main__` module itself is not touched: only the name in sys.modules points elsewhere, for that moment."""
+    if main_runs_again():
+        yield
+        return
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__, no __spec__: nothing to run
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, types.FunctionType):
+        return f"the function {obj.__qualname__}"
+    name = type(obj).__name__
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _reason(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
