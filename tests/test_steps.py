@@ -240,3 +240,11 @@ def test_multicard_run_sets_omp_num_threads_for_each_rank(tmp_path, monkeypatch,
         assert omp == expected
         if omp != "None":
             assert count == omp  # torch took it
+
+
+def test_a_batch_with_fewer_rows_than_processes_is_one_error_not_a_nan_step():
+    from multicard.data import uneven
+
+    with pytest.raises(UsageError, match="a batch of 1 row over 2 processes leaves some process none"):
+        uneven.local(torch.zeros(1, 3), 1, 2)
+    assert uneven.local(torch.arange(4.0).view(2, 2), 1, 2).tolist() == [[2.0, 3.0]]  # one row each is fine

@@ -37,6 +37,10 @@ def current() -> float:
 def local(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
     """mc.local: rank's contiguous part of a global batch, its weight N*k/n recorded."""
     rows = samples(batch, dim)
+    if rows is not None and rows < world:  # a process with no rows: its mean loss is NaN, and so is the average
+        raise UsageError(f"mc.local: a batch of {rows} row{'s' * (rows != 1)} over {world} processes leaves some "
+                         f"process none (its loss would be NaN, and the averaged gradient with it); skip such a "
+                         f"batch, or give it at least {world} rows")
     if rows:
         start, stop = bounds(rows, rank, world)
         record(world * (stop - start) / rows)
