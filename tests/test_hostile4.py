@@ -13,9 +13,10 @@ import zlib
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from multicard.data import headroom, idx
 from multicard.errors import UsageError
+from test_faults import clean_env
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
@@ -71,3 +72,58 @@ def test_a_gz_bomb_under_ulimit_v_is_one_line(tmp_path):
                           timeout=60, cwd=ROOT)
     assert re.fullmatch(r".*images.gz: its header \(1000000, 28, 28\) needs 3.65 GiB of memory once read, more than "
                         r"the [12]\.\d\d GiB available\n", done.stdout), done.stdout + done.stderr
+
+
+# -- your loop: ranks that part ways -----------------------------------------------------------------------------
+def run_job(tmp_path, body: str, timeout_s: float = 10) -> subprocess.CompletedProcess:
+    """`multicard run --devices cpu:2` of a script made of `body`, its collectives waiting at most timeout_s."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys, time\nimport torch\nimport multicard\n"
+                      f"mc = multicard.Multicard(timeout={timeout_s})\n" + textwrap.dedent(body))
+    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=90)
+
+
+def test_a_rank_that_leaves_inside_rank_zero_first_is_the_one_named(tmp_path):
+    done = run_job(tmp_path, """
+        with mc.rank_zero_first():
+            if mc.rank == 0:
+                sys.exit(0)  # rank 1 is left waiting at the barrier
+    """)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("multicard: rank 0 ended (exit code 0) while rank 1 still waited "
+                                                   "for it in a collective"), done.stderr
+
+
+def test_an_iterable_dataset_serving_one_rank_more_batches_names_both_counts(tmp_path):
+    done = run_job(tmp_path, """
+        from torch.utils.data import DataLoader, IterableDataset
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                for i in range(4 * (12 if mc.rank == 1 else 10)):
+                    yield torch.full((3,), float(i))
+
+        model = mc.setup(torch.nn.Linear(3, 1))
+        for x in mc.setup_dataloader(DataLoader(Stream(), batch_size=4)):
+            mc.backward(model(x).sum())
+        print("total", mc.all_reduce(1.0))  # what a loop does after its pass: met by rank 1's gradients
+    """)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "multicard: rank 1 read 11 batches, rank 0 read 10 and its loader ended there: a loader that every process "
+        "reads whole (an IterableDataset, a batch sampler) must serve each process as many batches"), done.stderr
+
+
+def test_a_collective_timeout_the_user_catches_names_the_rank_that_stopped(tmp_path):
+    done = run_job(tmp_path, """
+        mc.barrier()
+        if mc.rank == 1:
+            time.sleep(60)
+        try:
+            mc.all_reduce(1.0)
+        except RuntimeError:
+            sys.exit(1)  # caught, and ended otherwise: no traceback reaches multicard
+    """, timeout_s=3)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("multicard: rank 1 stopped making progress"), done.stderr
+    assert "rank 0 timed out waiting for it after 3 s" in done.stderr
