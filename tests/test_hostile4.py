@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from conftest import ROOT, run_cli
 from multicard.data import headroom, idx
 from multicard.errors import UsageError
+from multicard.jobs import dist, launcher
 from test_faults import clean_env
 
 
@@ -127,3 +129,93 @@ def test_a_collective_timeout_the_user_catches_names_the_rank_that_stopped(tmp_p
     assert done.returncode == 1
     assert done.stderr.splitlines()[-1].startswith("multicard: rank 1 stopped making progress"), done.stderr
     assert "rank 0 timed out waiting for it after 3 s" in done.stderr
+
+
+# -- the rendezvous --------------------------------------------------------------------------------------------
+JOIN = """
+import sys
+import multicard
+from multicard.errors import UsageError
+mc = multicard.Multicard(timeout=10)
+try:
+    mc.barrier()
+except UsageError as e:
+    print(e)
+    sys.exit(2)
+print("joined")
+"""
+
+
+def rank(tmp_path, port: int, rank: int, world: int, **env: str) -> subprocess.Popen:
+    """A process that joins the job at 127.0.0.1:port as RANK `rank` of WORLD_SIZE `world` (what a user's shell
+    or a stale environment says), printing the one line it was refused with."""
+    (tmp_path / "join.py").write_text(JOIN)
+    return subprocess.Popen([sys.executable, str(tmp_path / "join.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=clean_env(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=
+                                                               "127.0.0.1", MASTER_PORT=str(port), **env))
+
+
+def test_ranks_told_different_world_sizes_are_one_line_each(tmp_path):
+    port = launcher.free_port()
+    zero, one = rank(tmp_path, port, 0, 2), rank(tmp_path, port, 1, 3)
+    said = [p.communicate(timeout=60) for p in (zero, one)]
+    assert [p.returncode for p in (zero, one)] == [2, 2], said
+    where = f"rendezvous at 127.0.0.1:{port}: "
+    assert said[0] == (f"{where}rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2: every process of a job must be "
+                       f"told the same; {dist._origin({'RANK': '0', 'WORLD_SIZE': '2'})}\n", "")
+    assert said[1][0].startswith(f"{where}rank 0 has WORLD_SIZE=2 but rank 1 has WORLD_SIZE=3") and not said[1][1]
+
+
+def test_a_stale_rank_pointed_at_a_live_jobs_store_is_refused_at_once(tmp_path):
+    """A shell that kept a job's RANK=1 and MASTER_PORT joins while that job runs: refused in one line at once
+    (it waited out the timeout, then gloo's traceback), and the live job goes on untouched."""
+    go = tmp_path / "go"
+    (tmp_path / "live.py").write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+        import multicard
+        mc = multicard.Multicard(timeout=60)
+        mc.barrier()
+        if mc.rank == 0:
+            pathlib.Path({str(tmp_path / "port")!r}).write_text(os.environ["MASTER_PORT"])
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.1)
+        mc.barrier()
+    """))
+    live = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(tmp_path / "live.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=clean_env())
+    try:
+        for _ in range(600):
+            if (tmp_path / "port").exists() and (port := (tmp_path / "port").read_text()):
+                break
+            time.sleep(0.1)
+        stale = rank(tmp_path, int(port), 1, 2)
+        start = time.monotonic()
+        out, err = stale.communicate(timeout=60)
+        assert time.monotonic() - start < 10  # the timeout is 10 s: refused before it, not after
+        assert (stale.returncode, err) == (2, "") and re.fullmatch(
+            rf"rendezvous at 127.0.0.1:{port}: rank 1 of this job has joined already \(pid \d+ on .+\): this "
+            r"process is a second rank 1; RANK/WORLD_SIZE.*\n", out), out
+    finally:
+        go.touch()
+        live_out = live.communicate(timeout=60)
+    assert live.returncode == 0, live_out
+
+
+def test_an_unreachable_master_addr_shows_none_of_torchs_cpp_log():
+    """Rank 0 told to hold the store at an address no machine has (TEST-NET-1): torch retries, each retry a
+    warning with a page of C++ frames, twice over the timeout; the user sees one line, within the timeout."""
+    code = textwrap.dedent("""
+        import sys
+        from multicard.errors import UsageError
+        from multicard.jobs import dist
+        try:
+            dist.rendezvous(dist.Job(0, 2, launcher="torchrun"), 2)
+        except UsageError as e:
+            print(e)
+    """)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="192.0.2.1", MASTER_PORT="29500"))
+    assert done.stdout.startswith("rendezvous at 192.0.2.1:29500: rank 0 cannot hold the store there")
+    assert done.stderr == ""
+    assert time.monotonic() - start < 2 + 5  # the timeout, and the start of a Python that imports torch
