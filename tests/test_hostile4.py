@@ -5,6 +5,8 @@ instead of hanging the suite."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -219,3 +221,50 @@ def test_an_unreachable_master_addr_shows_none_of_torchs_cpp_log():
     assert done.stdout.startswith("rendezvous at 192.0.2.1:29500: rank 0 cannot hold the store there")
     assert done.stderr == ""
     assert time.monotonic() - start < 2 + 5  # the timeout, and the start of a Python that imports torch
+
+
+# -- what a rank starts itself ---------------------------------------------------------------------------------
+def test_a_launcher_killed_outright_takes_its_ranks_and_the_helpers_tied_as_the_docs_say(tmp_path):
+    """SIGKILL to `multicard run`: its ranks end (the kernel's parent-death signal), and so does a helper the
+    script tied to its rank as docs/distributed.md shows; an untied helper outlives it, as the docs warn."""
+    (tmp_path / "helpers.py").write_text(textwrap.dedent(f"""
+        import ctypes, os, signal, subprocess
+        import multicard
+        mc = multicard.Multicard(timeout=60)
+        tied = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
+        loose = subprocess.Popen(["sleep", "60"])
+        with open({str(tmp_path)!r} + f"/pids-{{mc.rank}}", "w") as f:
+            f.write(f"{{os.getpid()}} {{tied.pid}} {{loose.pid}}")
+        mc.barrier()
+        signal.pause()
+    """))
+    command = [sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(tmp_path / "helpers.py")]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=clean_env())
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 6 and time.monotonic() < deadline:
+            found = [tmp_path / f"pids-{r}" for r in range(2)]
+            pids = [int(p) for f in found if f.exists() for p in f.read_text().split()]
+            time.sleep(0.1)
+        assert len(pids) == 6
+        run.kill()
+        run.wait(10)
+        ranks_and_tied, loose = pids[0:2] + pids[3:5], [pids[2], pids[5]]
+        deadline = time.monotonic() + 10
+        while any(map(alive, ranks_and_tied)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, ranks_and_tied)) and all(map(alive, loose))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended and not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
