@@ -20,7 +20,11 @@ def cpp_log_hidden() -> Iterator[None]:
     """While inside, what reaches this process's stderr (file descriptor 2, where C++ writes) is held, and on the
     way out everything but the C++ log is written out as it came."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all (closed by a daemon): nothing to keep off it
+        yield
+        return
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
