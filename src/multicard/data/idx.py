@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from .headroom import available_memory  # the machine's, a container's limit, ulimit -v: the least
 from .images import ImageData
 
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049
@@ -113,18 +114,6 @@ def fits(path: Path, shape: tuple[int, ...], need: int) -> None:
     if free is not None and need > free:
         raise UsageError(f"{path}: its header {shape} needs {need / 2**30:.2f} GiB of memory once read, more than "
                          f"the {free / 2**30:.2f} GiB available")
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations (Linux's MemAvailable); None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def idx_size(shape: tuple[int, ...]) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..errors import UsageError
+from ..jobs.slots import pass_ended, read_batch
 from . import uneven
 from .order import Agree, same_everywhere
 from .parts import samples
@@ -71,6 +72,7 @@ class Split:
     def _parts(self, batches: Iterator[Any]) -> Iterator[Any]:
         for i, batch in enumerate(batches):
             if self.world == 1:
+                read_batch()
                 yield batch
                 continue
             size = samples(batch)
@@ -80,7 +82,9 @@ class Split:
             if i == 0 and self.agree is not None:
                 self._check(batch, size)
             if size >= self.world:  # its part, weighted by its rows (uneven.py)
+                read_batch()  # counted for the launcher: a rank given more batches than another is named with both
                 yield uneven.local(batch, self.rank, self.world)
+        pass_ended()
 
     def _check(self, batch: Any, size: int) -> None:
         """The first batch of each pass, compared between the processes (one collective a pass): a loader that

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..data import parts, uneven
+from ..jobs.slots import watched
 from . import collectives
 from .loggers import scalars
 
@@ -44,25 +45,29 @@ class Between:
         must pass the same structure, shapes and dtypes; MULTICARD_CHECK_SHAPES=1 (a debugging switch: one extra
         collective a call) checks that and names a mismatch, which otherwise may come back silently reshaped."""
         self._start()
-        return collectives.all_reduce(self._strategy, value, op)
+        with watched():  # a wait that ran out is told to the launcher, even where it is caught
+            return collectives.all_reduce(self._strategy, value, op)
 
     def gather(self, obj: Any) -> list:
         """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order, on
         every process."""
         self._start()
-        return collectives.gather(self._strategy, obj)
+        with watched():
+            return collectives.gather(self._strategy, obj)
 
     def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
         """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
         shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
         DistributedSampler's padding. See collectives.gather_in_order."""
         self._start()
-        return collectives.gather_in_order(self._strategy, outputs, total)
+        with watched():
+            return collectives.gather_in_order(self._strategy, outputs, total)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Process `src`'s `obj` (a tensor, or anything picklable) on every process."""
         self._start()
-        return collectives.broadcast(self._strategy, obj, src)
+        with watched():
+            return collectives.broadcast(self._strategy, obj, src)
 
     def rank_zero_first(self, local: bool = False) -> contextlib.AbstractContextManager:
         """`with mc.rank_zero_first():` rank 0 runs the body (download, preprocess, build a cache) while the
@@ -78,7 +83,8 @@ class Between:
 
     def barrier(self) -> None:
         self._start()
-        self._strategy.barrier()
+        with watched():
+            self._strategy.barrier()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only."""

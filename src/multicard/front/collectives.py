@@ -17,6 +17,7 @@ import torch
 
 from ..data.parts import bounds, leaves, rebuild
 from ..errors import UsageError
+from ..jobs.slots import watched
 from ..strategies import Strategy
 
 OPS = ("sum", "mean", "max", "min")
@@ -100,10 +101,12 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
     (reading what it downloaded or cached). Every process must enter it."""
     first = (strategy.job.local_rank if local else strategy.rank) == 0
     if not first:
-        strategy.barrier()
+        with watched():
+            strategy.barrier()
     yield
     if first:
-        strategy.barrier()
+        with watched():
+            strategy.barrier()
 
 
 def split(strategy: Strategy, inputs: Any) -> Any:

@@ -25,6 +25,7 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
+from ..jobs.slots import watched
 from ..strategies import Strategy
 from . import closure, memory
 from .between import Between
@@ -255,7 +256,8 @@ class Multicard(Between, Checkpoints):
     # -- training steps --------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(); under fp16 the loss is scaled first."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        with watched():  # ddp's gradient reduction ran out of time: told to the launcher, even where it is caught
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Scale the gradients down so that their norm over ALL parameters of the whole model is at most

@@ -8,12 +8,15 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from ..errors import UsageError
 from . import lifeline
 from .lifeline import inherited
+from .quiet import cpp_log_hidden
 from .slots import hook_failures, progress, progress_slot, slot_timed_out
 
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
@@ -186,19 +189,29 @@ def rendezvous(job: Job, timeout_s: float):
         store = _client(addr, port, deadline, f"{where}: rank {job.rank} of {job.world}: something listens there "
                                               f"but does not answer as the job's store ({origin})")
     else:
-        try:
-            store = TCPStore(addr, port, job.world, is_master=True, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False, multi_tenant=True)
+        try:  # torch tries an address that does not answer twice over the timeout: it is held to it here
+            store = _within(deadline, lambda: TCPStore(addr, port, job.world, is_master=True, wait_for_workers=False,
+                                                       timeout=timedelta(seconds=timeout_s), multi_tenant=True))
         except DistError as e:
             reason = "the port is taken" if "EADDRINUSE" in str(e) else str(e).splitlines()[0]
             raise UsageError(f"{where}: rank 0 cannot hold the store there ({reason}); {origin}") from None
+        if store is None:
+            slot_timed_out()
+            raise UsageError(f"{where}: rank 0 cannot hold the store there (no answer from {addr} within "
+                             f"{timeout_s:g} s: is it this machine?); {origin}")
     store.set_timeout(timedelta(seconds=timeout_s))  # for what the process group asks of it later, in full
     store = PrefixStore(attempt(), store)
     joined = PrefixStore("joined/", store)
     ranks = [str(r) for r in range(job.world)]
+    me = f"{job.world} {socket.gethostname()} {os.getpid()}"  # the world this process was told, and who it is
     try:
-        joined.set(str(job.rank), "1")
+        there = joined.compare_set(str(job.rank), "", me).decode()  # taken by another process: left as it is
+        if there != me:
+            raise UsageError(f"{where}: rank {job.rank} of this job has joined already (pid {there.split()[-1]} "
+                             f"on {there.split()[1]}): this process is a second rank {job.rank}; {origin}")
         while not joined.check(ranks):
+            if job.rank and joined.check(["0"]):
+                same_world(job, where, origin, {"0": joined.get("0").decode()})
             if time.monotonic() > deadline:
                 missing = [r for r in ranks if not joined.check([r])]
                 slot_timed_out()
@@ -206,33 +219,55 @@ def rendezvous(job: Job, timeout_s: float):
                                  f"{timeout_s:g} s; missing rank{'s' * (len(missing) > 1)} {listed(missing)} "
                                  f"({origin})")
             time.sleep(JOINED)
+        seen = ranks if job.rank == 0 else ["0"]  # rank 0 looks at every rank, the others at rank 0
+        same_world(job, where, origin, {r: said.decode() for r, said in zip(seen, joined.multi_get(seen), strict=True)})
     except DistError as e:  # the store went away: its holder ended (it gave up, or failed)
         raise UsageError(f"{where}: rank {job.rank} lost the store ({str(e).splitlines()[0]}); {origin}") from None
     return store
 
 
+def same_world(job: Job, where: str, origin: str, joined: dict[str, str]) -> None:
+    """Every rank that joined (rank: what it said as it joined) was told the same WORLD_SIZE as this one."""
+    for rank, said in joined.items():
+        if said.split()[0] != str(job.world):
+            raise UsageError(f"{where}: rank {rank} has WORLD_SIZE={said.split()[0]} but rank {job.rank} has "
+                             f"WORLD_SIZE={job.world}: every process of a job must be told the same; {origin}")
+
+
 def _client(addr: str, port: int, deadline: float, failure: str):
-    """A client of the store at addr:port, made within the deadline. torch's client waits for the store's answer
-    without a limit: something else listening there (a stale process, a web server) would hold it forever, so it
-    is made in a thread of its own that is left behind when the time is up."""
+    """A client of the store at addr:port, made within the deadline (torch's client waits for the store's answer
+    without a limit: something else listening there, a stale process or a web server, would hold it forever)."""
     from torch.distributed import DistError, TCPStore
 
-    made: list = []
-
-    def connect() -> None:
-        try:
-            made.append(TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(
-                1.0, deadline - time.monotonic()))))
-        except (DistError, RuntimeError, ValueError) as e:
-            made.append(e)
-
-    thread = threading.Thread(target=connect, name="multicard store client", daemon=True)
-    thread.start()
-    thread.join(max(1.0, deadline - time.monotonic()))
-    if not made or isinstance(made[0], Exception):
+    try:
+        store = _within(deadline, lambda: TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=max(
+            1.0, deadline - time.monotonic()))))
+    except (DistError, RuntimeError, ValueError):
+        store = None
+    if store is None:
         slot_timed_out()
         raise UsageError(failure) from None
-    return made[0]
+    return store
+
+
+def _within(deadline: float, make: Callable[[], Any]) -> Any:
+    """What make() returns (what it raises, raised here), made in a thread of its own that is left behind when
+    the deadline passes (then None); torch's C++ log of its retries kept off the screen meanwhile."""
+    made: list = []
+
+    def run() -> None:
+        try:
+            made.append(make())
+        except Exception as e:
+            made.append(e)
+
+    thread = threading.Thread(target=run, name="multicard store", daemon=True)
+    with cpp_log_hidden():
+        thread.start()
+        thread.join(max(1.0, deadline - time.monotonic()))
+    if made and isinstance(made[0], Exception):
+        raise made[0]
+    return made[0] if made else None
 
 
 def _wait_for_listener(addr: str, port: int, deadline: float, failure: str) -> None:

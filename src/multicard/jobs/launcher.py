@@ -31,7 +31,7 @@ from ..errors import UsageError
 from . import lifeline, shipping, slots, streams
 from .devices import omp_threads
 from .failures import RankFailed, Stopped
-from .outcome import blame, first_failure, first_failure_of, slot_path, stop, terminate, told
+from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
 
 
 def free_port() -> int:
@@ -156,8 +156,8 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
     kind, text = told(folder, rank)
     if kind == "said":  # it was interrupted or stopped, by a signal to it alone
         return RankFailed(rank, text, meant=True)
-    blamed = blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder,
-                   len(processes))
+    blamed = parted(rank, {r: p.exitcode for r, p in enumerate(processes)}, folder) or \
+        blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder, len(processes))
     if blamed:
         return RankFailed(*blamed)
     if kind == "usage":
@@ -254,8 +254,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             if kind == "usage":  # the same bad input on every rank: said once
                 print(f"multicard: error: {text}", file=sys.stderr)
                 return 2
-            blamed = blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder,
-                           nprocs)
+            blamed = parted(rank, {r: p.poll() for r, p in enumerate(procs)}, folder) or \
+                blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder, nprocs)
             if blamed:
                 print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)
             else:

@@ -84,6 +84,26 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
                   f"{timeout:g} s)")
 
 
+def parted(failed: int, codes: dict[int, int | None], folder: str) -> tuple[int, str] | None:
+    """Where the ranks parted ways before rank `failed` failed, the rank to name and why: a loader every process
+    reads whole that served one rank more batches than another, whose pass had ended (whatever followed: a rank
+    left waiting, gloo's abort on mismatched collectives); else a rank that ended well (`codes`: rank: exit code,
+    None while running) while `failed` waited for it in a collective (it left early: a sys.exit on one rank)."""
+    reads = {rank: slots.read_reads(slot_path(folder, rank)) for rank in sorted(codes)}
+    for short, (fewer, ended) in reads.items():
+        for more, (batches, passes) in reads.items():
+            if ended > passes and fewer < batches:
+                return more, (f"rank {more} read {batches} batches, rank {short} read {fewer} and its loader ended "
+                              f"there: a loader that every process reads whole (an IterableDataset, a batch "
+                              f"sampler) must serve each process as many batches")
+    gone = [rank for rank, code in sorted(codes.items()) if rank != failed and code == 0]
+    if gone and slots.read_slot(slot_path(folder, failed))[2] in (slots.TIMED_OUT_STATE, slots.LOST_PEER):
+        return gone[0], (f"rank {gone[0]} ended (exit code 0) while rank {failed} still waited for it in a "
+                         f"collective: every rank must make the same calls between processes before it ends (a "
+                         f"sys.exit or a return on one rank only?)")
+    return None
+
+
 def _waiting_too(failed: int, world: int, folder: str) -> str:
     """"rank 1" or "ranks 1 and 2": every rank but `failed`, where each timed out waiting within MISMATCH_S (they
     started to wait about together); "" where one did not (it is the one that stopped making progress)."""

@@ -3,6 +3,7 @@ the rank shows how far it got and how it failed; the launcher reads it to name t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import pickle
@@ -11,6 +12,7 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Iterator
 
 from ..errors import UsageError
 from .lifeline import inherited
@@ -19,6 +21,9 @@ PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank
 # that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
 # and how the rank failed (0, TIMED_OUT_STATE or LOST_PEER)
 SLOT = struct.Struct("8s3d")
+# after it, what the rank read from loaders every process reads whole: batches served, passes that ended (a rank whose
+# pass ended before another's is named with both counts, rather than the rank left waiting)
+READS = struct.Struct("2d")
 MARK = b"mcslot1\n"
 # how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
 TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
@@ -35,6 +40,27 @@ def progress() -> None:
     memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
     When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
     (_slot if _slot is not None else progress_slot())[0] = time.monotonic()
+
+
+def read_batch() -> None:
+    """A loader that every process reads whole served this process a batch (one store, as progress())."""
+    (_slot if _slot is not None else progress_slot())[3] += 1
+
+
+def pass_ended() -> None:
+    """And its pass ended here: every process must have been served as many batches by then."""
+    progress_slot()[4] += 1
+
+
+@contextlib.contextmanager
+def watched() -> Iterator[None]:
+    """Around a collective of the user's: a wait that ran out of time (or lost another process) is told to the
+    launcher as it happens, even where the user's code catches it and ends otherwise."""
+    try:
+        yield
+    except Exception as e:
+        failed(e)
+        raise
 
 
 def failed(error: BaseException) -> None:
@@ -89,7 +115,7 @@ def progress_slot() -> memoryview | list[float]:
     variable alone never makes this process write into a file."""
     global _slot
     if _slot is None:
-        slot: memoryview | list[float] = [0.0, 0.0, 0.0]
+        slot: memoryview | list[float] = [0.0] * 5
         path = os.environ.get(PROGRESS)
         if path and not inherited():
             mapped = _map_slot(path)
@@ -110,10 +136,10 @@ def _map_slot(path: str) -> memoryview | None:
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != SLOT.size or info.st_uid != os.getuid() or \
+        if not stat.S_ISREG(info.st_mode) or info.st_size != SLOT.size + READS.size or info.st_uid != os.getuid() or \
                 os.pread(fd, len(MARK), 0) != MARK:
             return None
-        return memoryview(mmap.mmap(fd, SLOT.size))[len(MARK):].cast("d")
+        return memoryview(mmap.mmap(fd, SLOT.size + READS.size))[len(MARK):].cast("d")
     except (OSError, ValueError):
         return None
     finally:
@@ -123,7 +149,7 @@ def _map_slot(path: str) -> memoryview | None:
 def new_slot(path: str) -> None:
     """For the launcher: the empty progress file of one rank (the mark, then zeros: no progress yet)."""
     with open(path, "xb") as f:
-        f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0))
+        f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0) + READS.pack(0.0, 0.0))
 
 
 def read_slot(path: str) -> tuple[float, float, float]:
@@ -135,3 +161,14 @@ def read_slot(path: str) -> tuple[float, float, float]:
     except (OSError, struct.error):
         return 0.0, 0.0, 0.0
     return last, timeout, state
+
+
+def read_reads(path: str) -> tuple[int, int]:
+    """For the launcher: (batches served, passes ended) of the loaders the rank read whole; zeros if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(SLOT.size)
+            batches, passes = READS.unpack(f.read(READS.size))
+    except (OSError, struct.error):
+        return 0, 0
+    return int(batches), int(passes)
