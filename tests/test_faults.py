@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -332,6 +333,21 @@ def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
     assert gone(lambda: group(run.pid), 30)
 
 
+def test_a_rank_whose_launcher_died_while_it_imported_ends_once_it_watches():
+    """The launcher (here a shell standing in for torchrun's agent) is gone before the rank starts watching it
+    (a rank importing torch on busy cores takes seconds): the rank, adopted by another process by then, still
+    sees its launcher gone and ends with one line, instead of waiting on a store that nobody holds."""
+    rank = ("import os, sys, time, multicard\nfrom multicard.jobs import lifeline\nfirst = os.getppid()\n"
+            "print('imported', flush=True)\nwhile os.getppid() == first:\n    time.sleep(0.05)\n"
+            "lifeline.watch_parent(1)\nprint('still here', file=sys.stderr)\n")
+    launcher = ("import os, subprocess, sys\n"
+                "rank = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdout=subprocess.PIPE, text=True)\n"
+                "rank.stdout.readline()\nos._exit(0)\n")  # gone once the rank has imported multicard
+    done = subprocess.run([sys.executable, "-c", launcher, rank], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env())
+    assert re.fullmatch(r"multicard: rank 1: its launcher \(pid \d+\) is gone; this rank ends\n", done.stderr)
+
+
 @pytest.mark.slow
 def test_torchrun_killed_outright_takes_its_ranks_along_and_publishes_nothing(tmp_path):
     """torchrun's agent does not end its ranks when it is killed outright: they watch it, end within a second or
@@ -342,8 +358,8 @@ def test_torchrun_killed_outright_takes_its_ranks_along_and_publishes_nothing(tm
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
-        while not (ranks := [p for p in processes() if stat(p)[1] == str(agent.pid) and "multicard" in cmdline(p)
-                             and "torch.distributed.run" not in cmdline(p)]) and time.monotonic() < deadline:
+        while len(ranks := [p for p in processes() if stat(p)[1] == str(agent.pid) and "multicard" in cmdline(p)
+                            and "torch.distributed.run" not in cmdline(p)]) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(ranks) == 2
         while not list(out.glob(".run-*")) and time.monotonic() < deadline:  # rank 0 has begun its run

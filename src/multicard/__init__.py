@@ -5,6 +5,8 @@ The names below load on first use, so that `multicard --help` does not wait for 
 
 from importlib import import_module
 
+from .jobs import lifeline as _lifeline  # noqa: F401  (first thing: the parent a rank was started under)
+
 __version__ = "0.1.0"
 _HOME = {"Multicard": "front.multicard", "launch": "front.multicard", "train": "trainer.run",
          "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.plain",

@@ -16,6 +16,8 @@ LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # our launcher names itself here: a pro
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
 _parent: int | None = None  # the launcher this rank belongs to, once watched
+_FIRST_PARENT = os.getppid()  # as multicard was first imported: a launcher that dies while its rank still imports
+# torch is seen gone once the rank watches (the parent then is whoever took the orphan, not the launcher)
 _forking: list[int] = []  # the pid of the process forking right now (set before the fork, read in the child)
 
 
@@ -59,7 +61,8 @@ def watch_parent(rank: int) -> None:
     global _parent
     if _parent is not None:
         return
-    _parent = os.getppid()
+    _parent = _FIRST_PARENT
+    end_if_orphaned(rank)
 
     def watch() -> None:
         while True:

@@ -44,7 +44,7 @@ def cpu_name() -> str:
 
 def commit() -> str | None:
     """The multicard checkout's commit, "-dirty" when it has uncommitted changes; None for an installed copy."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # tools, multicard, src, the checkout
     if not (root / ".git").exists():
         return None
     try:

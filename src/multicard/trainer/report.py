@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -12,6 +13,11 @@ from tqdm import tqdm
 from ..checkpoints import plain as checkpoint
 from .config import TrainConfig
 from .observe import crowded, curves, straggles
+
+# tqdm's own lock is a multiprocessing one, registered with the resource tracker the job's processes share: a rank
+# killed outright (frozen, then SIGKILLed) would leave it behind as a "leaked semaphore" warning. Each process
+# writes its own lines, so a lock of its threads is all the bar needs.
+tqdm.set_lock(threading.RLock())
 
 
 def say(line: str) -> None:
