@@ -345,10 +345,27 @@ def test_a_model_file_that_fails_shows_the_users_error_in_one_line(tmp_path, bod
 def test_a_part_name_taken_by_something_else_is_one_line(tmp_path, what):
     part = tmp_path / "checkpoints" / "step-00000004.part"
     part.parent.mkdir()
-    os.mkfifo(part) if what == "fifo" else part.write_text("mine") if what == "file" else part.mkdir()
+    if what == "folder":  # a folder with something of someone's in it (an empty one holds nothing to lose)
+        part.mkdir()
+        (part / "notes.txt").write_text("mine")
+    else:
+        os.mkfifo(part) if what == "fifo" else part.write_text("mine")
     with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"):
         saves.fresh(part, OLD)
     assert safefs.kind(part) == what
+
+
+@pytest.mark.parametrize("left", [[], [".multicard.0123456789ab.part"]], ids=["empty", "marker-unrenamed"])
+def test_a_part_folder_a_kill_cut_short_before_its_marker_does_not_block_later_runs(tmp_path, left):
+    """Killed between making step-N.part and renaming its marker into place: the folder holds only the marker's
+    temporary (or nothing). The next run takes it over, and a new run clears it too."""
+    part = tmp_path / "checkpoints" / "step-00000001.part"
+    part.mkdir(parents=True)
+    for name in left:
+        (part / name).write_text(OLD + "\n")
+    summary = train(tmp_path, save_every_steps=1)
+    assert summary["optimizer_steps"] == 2 and safefs.kind(part) is None
+    assert [p.name for p in saves.whole(tmp_path)] == ["step-00000001", "step-00000002"]
 
 
 def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
@@ -371,8 +388,9 @@ def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags", [dict(batch_size=10**9), dict(batch_size=None, accumulate=100)],
                          ids=["batch", "accumulate"])
 def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags):
-    with pytest.raises(UsageError, match=r"--batch-size \d+: the global batch is larger than the training set "
-                                         r"\(48 samples\); choose at most 48"):
+    named = r"--batch-size \d+" if flags["batch_size"] else r"--accumulate 100 \(a global batch of \d+\)"
+    with pytest.raises(UsageError, match=named + r": the global batch is larger than the training set "
+                                                 r"\(48 samples\); choose at most 48"):
         train(tmp_path, **flags)
     assert not any(tmp_path.iterdir())  # refused before --out is touched
 

@@ -252,3 +252,30 @@ def test_python_dash_and_dash_c_launch(how, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert sorted(lines[:2]) == ["rank 0 of 2", "rank 1 of 2"] and lines[2] == "Doubled True 42"
+
+
+
+WORKERS = """
+import multicard, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Squares(Dataset):  # defined in __main__: the ranks' DataLoader workers must find it too
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i * i)])
+
+def job(mc):
+    loader = mc.setup_dataloader(DataLoader(Squares(), batch_size=4, num_workers=2))
+    return mc.all_reduce(sum(batch.sum() for batch in loader)).item()
+
+print("total", multicard.launch(job, devices="cpu:2"))
+"""
+
+
+def test_a_dataset_class_from_main_reaches_the_ranks_dataloader_workers(tmp_path):
+    done = subprocess.run([sys.executable, "-"], input=WORKERS, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"total {float(sum(i * i for i in range(8)))}"

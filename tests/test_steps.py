@@ -6,6 +6,7 @@ script computed here."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 import re
@@ -15,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 import multicard
 from conftest import run_cli
+from multicard.data import uneven
 from multicard.data.keyed import Seeded
 from multicard.data.loaders import shard
 from multicard.errors import UsageError
@@ -135,7 +137,36 @@ def steps_job(mc: Multicard, workers: int) -> list[dict]:
                                             **forked), seed_per_sample=True)
     out["draws"] = passes(loader)
     out["seed"] = torch.initial_seed()
+    # a dataset with __getitems__ of its own (Subset, so every random_split): each sample keyed all the same
+    loader = mc.setup_dataloader(DataLoader(Subset(Draws(), range(12)), 6, shuffle=True,
+                                            generator=torch.Generator().manual_seed(2), **forked), seed_per_sample=True)
+    out["subset"] = passes(loader)
+    # after a pass whose last step was uneven: a batch this process makes itself is weighted by nothing
+    out["after_pass"] = uneven.current()
+    # a model that returns a dataclass, on an uneven cut
+    model = mc.setup(Recorded())
+    mc.backward(model(mc.local(torch.arange(3.0).view(3, 1))).value.mean())
+    out["dataclass"] = model.module.linear.weight.grad.item()
     return mc.gather(out)
+
+
+@dataclasses.dataclass
+class Output:
+    value: torch.Tensor
+
+
+class Recorded(nn.Module):
+    """A model whose output is a dataclass (as many libraries' models return)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(1, 1)
+        with torch.no_grad():
+            self.linear.weight.fill_(1.0)
+            self.linear.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        return Output(self.linear(x))
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3])
@@ -194,6 +225,14 @@ def test_draws_inside_getitem_are_one_process_draws(ranks):
         served = {int(row[0]): row[1:].tolist() for r in ranks for row in r["draws"][epoch]}
         assert served == expected[epoch]
     assert expected[0][0] != expected[1][0] and expected[0][0] != expected[0][1]
+    for epoch in range(2):  # through Subset's own __getitems__, the same draws
+        assert {int(row[0]): row[1:].tolist() for r in ranks for row in r["subset"][epoch]} == expected[epoch]
+
+
+def test_an_uneven_weight_ends_with_its_pass_and_reaches_a_dataclass_output(ranks):
+    for r in ranks:
+        assert r["after_pass"] == 1.0
+        assert r["dataclass"] == pytest.approx(1.0, rel=1e-6)  # d mean(w * [0, 1, 2]) / dw, whatever the cut
 
 
 def test_seed_per_sample_leaves_the_programs_random_streams_where_they_were():
@@ -213,8 +252,9 @@ def test_seed_per_sample_leaves_the_programs_random_streams_where_they_were():
 
 
 # 4. threads: `multicard run` gives each of N ranks OMP_NUM_THREADS as a ddp process takes them, unless set
-SCRIPT = "import os, torch; print('threads', os.environ['RANK'], os.environ.get('OMP_NUM_THREADS'), " \
-         "torch.get_num_threads())\n"
+SCRIPT = ("import os, torch, multicard\nmc = multicard.Multicard()\nmc.barrier()\n"
+          "line = f\"threads {os.environ['RANK']} {os.environ.get('OMP_NUM_THREADS')} {torch.get_num_threads()}\\n\"\n"
+          "os.write(1, line.encode())\n")  # one write: the ranks' lines never interleave
 
 
 def test_the_threads_each_rank_gets(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 import random
 import re
@@ -75,6 +76,19 @@ def read(path: str | Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a foreign or damaged file
+        raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
+
+
+RANK_FILE_MOST = 64 << 20  # a rank's own part of a checkpoint: its random streams, a few KB per device
+
+
+def read_small(path: Path, most: int = RANK_FILE_MOST) -> Any:
+    """A small checkpoint file (a rank's part) read as read() does, but only a regular file, never through a
+    link, and only up to `most` bytes."""
+    raw = safefs.read_bytes(path, most, f"checkpoint {path}")
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:
         raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,34 @@ from torch import nn
 from .. import safefs
 from ..errors import UsageError
 
-# largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each (a model of thousands of
-# tensors on hundreds of processes stays well under it)
-METADATA = 1 << 30
+# largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each: a base, and this much per
+# tensor of the state for each process that wrote a part (each writes one __<rank>_0.distcp)
+METADATA_BASE, METADATA_PER_CHUNK = 1 << 20, 4096
+DCP_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # what DCP's file writer puts in a folder
 
 
 def folder(path: Path, save: int) -> Path:
     return path.with_name(f"{path.stem}.shards-{save}")
+
+
+def is_shards_name(path: Path, name: str) -> bool:
+    """Whether `name` is one a save of checkpoint `path` gives its folder (a name, never a path)."""
+    return re.fullmatch(re.escape(f"{path.stem}.shards-") + r"\d+", name) is not None
+
+
+def fresh(path: Path, save: int) -> Path:
+    """Rank 0, before a save: a new folder for its shards, made here and now (mkdir never goes through a link,
+    nor into a folder already there: an earlier save's, still named by the checkpoint, or a user's)."""
+    while True:
+        target = folder(path, save)
+        try:
+            target.mkdir()
+            return target
+        except FileExistsError:
+            save += 1
+        except OSError as e:
+            raise UsageError(f"cannot write {target} ({e.strerror}); choose another place for the checkpoint") \
+                from None
 
 
 def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
@@ -54,22 +76,25 @@ def sharded_state(models: dict[str, nn.Module], optimizers: dict[str, torch.opti
     return out
 
 
-def save(path: Path, save: int, state: dict[str, Any], unwrap) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every rank: write the models and optimizers of `state` into this save's folder. Returns the rest of
-    `state` (for the checkpoint file) and what the file must say of the folder."""
+def save(path: Path, name: str, state: dict[str, Any], unwrap) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank: write the models and optimizers of `state` into this save's folder `name` (made by rank 0 with
+    fresh()). Returns the rest of `state` (for the checkpoint file) and what the file must say of the folder."""
     import torch.distributed.checkpoint as dcp
 
     models, optimizers = split(state)
-    target = folder(path, save)
+    target = path.with_name(name)
     dcp.save(sharded_state({k: unwrap(m) for k, m in models.items()}, optimizers), checkpoint_id=target)
     rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
     return rest, {"folder": target.name, "models": list(models), "optimizers": list(optimizers)}
 
 
 def drop_older(path: Path, keep: str) -> None:
-    """Rank 0, once the checkpoint file names `keep`: the folders of earlier saves go."""
+    """Rank 0, once the checkpoint file names `keep`: the folders of earlier saves go, and only those: a real
+    folder under a name a save gives, holding nothing but what DCP writes (a user's ckpt.shards-backup, a link,
+    or a folder with anything else in it stays)."""
     for old in path.parent.glob(f"{path.stem}.shards-*"):
-        if old.name != keep:
+        if old.name != keep and is_shards_name(path, old.name) and safefs.is_folder(old) and \
+                all(DCP_FILE.fullmatch(e.name) and safefs.kind(e) == "file" for e in old.iterdir()):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -85,13 +110,17 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
     if missing:
         raise UsageError(f"checkpoint {path}: has no {missing[0]!r} (its shards hold "
                          f"{', '.join(map(repr, info['models'] + info['optimizers']))})")
+    if not isinstance(info.get("folder"), str) or not is_shards_name(path, info["folder"]):
+        raise UsageError(f"checkpoint {path}: its shards folder is not one multicard names "
+                         f"({str(info.get('folder'))[:100]!r}); not as multicard wrote it")
     models = {k: unwrap(m) for k, m in models.items()}
     target = sharded_state(models, optimizers)
-    where = path.parent / info["folder"]
-    metadata(where)  # refused here, on every rank, before DCP reads anything
+    where = path.parent / info["folder"]  # a name checked above: beside the checkpoint, never elsewhere
     plain_files(where)
+    most = METADATA_BASE + METADATA_PER_CHUNK * tensors(target) * sum(1 for _ in where.iterdir())
+    metadata(where, limit=most)  # refused here, on every rank, before DCP reads anything
     try:
-        dcp.load(target, storage_reader=reader(where), planner=planner())
+        dcp.load(target, storage_reader=reader(where, most), planner=planner())
     except UsageError:
         raise
     except BaseException as e:  # a missing or damaged folder, or shards of another model (DCP's
@@ -154,13 +183,23 @@ class Restricted(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-def metadata(where: Path, name: str = ".metadata"):
-    """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line."""
+def tensors(state: Any) -> int:
+    """How many tensors a (nested) state dict holds."""
+    if isinstance(state, dict):
+        return sum(tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensors(v) for v in state)
+    return int(isinstance(state, torch.Tensor))
+
+
+def metadata(where: Path, name: str = ".metadata", limit: int = METADATA_BASE):
+    """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line. `limit`:
+    the most bytes a model's metadata can take (more is not DCP's, and is not read)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if safefs.kind(where / name) is None:
         raise UsageError(f"shards folder {where}: no {name}")
-    raw = safefs.read_bytes(where / name, METADATA, f"shards folder {where}: {name}")  # no FIFO, link, or 10 GB
+    raw = safefs.read_bytes(where / name, limit, f"shards folder {where}: {name}")  # no FIFO, link, or 10 GB
     try:
         found = Restricted(io.BytesIO(raw)).load()
     except Exception as e:  # pickle raises many kinds for a damaged or foreign file
@@ -171,14 +210,14 @@ def metadata(where: Path, name: str = ".metadata"):
     return found
 
 
-def reader(where: Path):
+def reader(where: Path, limit: int = METADATA_BASE):
     """DCP's file reader, reading its metadata through `metadata` (so what DCP uses is what was checked)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name)
+            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name, limit)
             if getattr(found, "storage_meta", None) is None:
                 found.storage_meta = StorageMeta()
             found.storage_meta.load_id = self.load_id

@@ -94,6 +94,11 @@ class Seeded(Dataset):
         with seeded(sample_seed(self.seed, epoch, index)):
             return self.dataset[index]
 
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        """A batch, sample by sample (each keyed by its own index): the user's own __getitems__ (Subset's,
+        StackDataset's) takes indices, not the (epoch, index) keys, and fetches several under one seed."""
+        return [self[key] for key in keys]
+
     def __getattr__(self, name: str) -> Any:
         if name == "dataset":  # not set yet (unpickling in a worker): no loop through __getattr__
             raise AttributeError(name)

@@ -175,6 +175,7 @@ class Sharded:
             yield batch if there else to_device(batch, self.device)
         if ordered:
             self.sampler.start = 0
+        uneven.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
         self.place = None
 
     def _start_pass(self) -> Iterator:

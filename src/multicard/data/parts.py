@@ -8,6 +8,8 @@ by at most one sample where the batch does not split evenly.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -24,25 +26,40 @@ def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+def _dataclass_fields(obj: Any) -> list[str] | None:
+    """The field names of a dataclass instance (a model's output record), else None."""
+    return [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) and \
+        not isinstance(obj, type) else None
+
+
 def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(where, value) for every tensor or number in dicts, lists and tuples, in a fixed order."""
+    """(where, value) for every tensor or number in dicts, lists, tuples and dataclasses, in a fixed order."""
     if isinstance(obj, dict):
         for key, value in obj.items():
             yield from leaves(value, f"{path}[{key!r}]")
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             yield from leaves(value, f"{path}[{i}]")
+    elif (names := _dataclass_fields(obj)) is not None:
+        for name in names:
+            yield from leaves(getattr(obj, name), f"{path}.{name}")
     else:
         yield path, obj
 
 
 def rebuild(obj: Any, values: Iterator) -> Any:
-    """`obj`'s structure with its leaves taken in order from `values` (named tuples and list subclasses kept)."""
+    """`obj`'s structure with its leaves taken in order from `values` (named tuples, list subclasses and
+    dataclasses kept: a dataclass is copied, its fields set anew)."""
     if isinstance(obj, dict):
         return type(obj)((k, rebuild(v, values)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
         items = [rebuild(v, values) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if (names := _dataclass_fields(obj)) is not None:
+        new = copy.copy(obj)
+        for name in names:
+            object.__setattr__(new, name, rebuild(getattr(obj, name), values))  # frozen ones too
+        return new
     return next(values)
 
 

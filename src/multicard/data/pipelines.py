@@ -84,6 +84,7 @@ class Split:
             if size >= self.world:  # its part, weighted by its rows (uneven.py)
                 read_batch()  # counted for the launcher: a rank given more batches than another is named with both
                 yield uneven.local(batch, self.rank, self.world)
+        uneven.record(1.0)  # the pass is over: what follows is not weighted by its last batch
         pass_ended()
 
     def _check(self, batch: Any, size: int) -> None:

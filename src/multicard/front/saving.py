@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import safefs
 from ..checkpoints import plain as checkpoint
 from ..checkpoints import shards
 from ..errors import UsageError
@@ -43,8 +44,15 @@ def save(mc: Any, path: str | Path, state: dict[str, Any]) -> None:
         return
     mc._saves += 1
     own = {"save": mc._saves, "world": mc.world_size, "rng": checkpoint.rng_state()}
-    if mc.sharded:
-        state, own["shards"] = shards.save(path, mc._saves, state, mc.unwrap)
+    if mc.sharded:  # rank 0 makes the save's folder (new, never one planted) and every rank writes into it
+        try:
+            made = ("made", shards.fresh(path, mc._saves).name) if mc.is_main else None
+        except UsageError as e:
+            made = ("failed", str(e))
+        kind, said = mc.broadcast(made)
+        if kind == "failed":
+            raise UsageError(said)
+        state, own["shards"] = shards.save(path, said, state, mc.unwrap)
     if mc.is_main:
         if mc.scaler is not None:
             own.update(scaler=mc.scaler.state_dict(), skipped=mc.skipped_steps)
@@ -108,7 +116,7 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
         checkpoint.set_rng_state(own["rng"])
         return
     mine = checkpoint.rank_file(path, mc.rank)
-    part = checkpoint.read(mine) if mine.is_file() else None
+    part = checkpoint.read_small(mine) if safefs.kind(mine) == "file" else None  # never through a link
     if part is None or part.get("save") != own["save"]:
         print(f"multicard: rank {mc.rank}: {mine} is missing or from another save: this rank's random "
               f"streams start afresh", file=sys.stderr, flush=True)

@@ -181,6 +181,7 @@ def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher
             signal.signal(s, _raise_stopped)
     os.environ.update(job_env(rank, nprocs, port, folder, launcher))
     fn, args = _unpickled(work, rank, folder)
+    shipping.workers_by_fork()
     try:
         out = fn(*args)
         if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails

@@ -97,6 +97,17 @@ def main_left_out() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
+def workers_by_fork() -> None:
+    """In a process started from a notebook (its `__main__` a stand-in): processes it starts itself (DataLoader
+    workers) are forked, as a one-process script's are on Linux, so a Dataset class a cell defined reaches them
+    (spawn would look it up in a `__main__` that never defined it). Elsewhere the start method is left as it is."""
+    import multiprocessing
+
+    if not main_runs_again() and "fork" in multiprocessing.get_all_start_methods() and \
+            sys.platform.startswith("linux"):
+        multiprocessing.set_start_method("fork", force=True)
+
+
 def _kind(obj: Any) -> str:
     if isinstance(obj, types.FunctionType):
         return f"the function {obj.__qualname__}"

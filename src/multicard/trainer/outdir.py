@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
 MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
 OWNER_PART = re.compile(r"run\.json\.[0-9a-f]{12}\.part")  # the temporary safefs.write_file makes of run.json
-LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.\d+\.part")
+LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.(\d+|[0-9a-f]{{12}})\.part")
+MARK_PART = re.compile(re.escape(MARK) + r"\.[0-9a-f]{12}\.part")  # the temporary safefs.create makes of a marker
 
 
 class Output:
@@ -101,7 +103,7 @@ class Output:
                 remove(part)
             elif OWNER_PART.fullmatch(part.name) and safefs.kind(part) == "file":  # run.json half-written
                 part.unlink()
-            elif not (part.is_dir() and not part.is_symlink() and not any(part.iterdir()) and rmdir(part)):
+            elif not drop_half_marked(part):
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
         self.cleaned = True
 
@@ -162,6 +164,20 @@ def marked(folder: Path) -> bool:
     return safefs.is_folder(folder) and safefs.kind(folder / MARK) == "file"
 
 
+def drop_half_marked(folder: Path) -> bool:
+    """Remove `folder` if it is a real folder holding nothing but marker temporaries (or nothing): one multicard
+    made and was killed in before its marker was in place. Its files one by one, then the folder, empty (what
+    anyone puts there meanwhile stops it)."""
+    if not safefs.is_folder(folder):
+        return False
+    entries = list(folder.iterdir())
+    if not all(MARK_PART.fullmatch(e.name) and safefs.kind(e) == "file" for e in entries):
+        return False
+    for entry in entries:
+        entry.unlink(missing_ok=True)
+    return rmdir(folder)
+
+
 def ours(path: Path, target: str | None = None) -> bool:
     """Whether `path` is a link multicard makes: to `target`, or (no target) to a run folder beside it."""
     if not path.is_symlink():
@@ -172,10 +188,13 @@ def ours(path: Path, target: str | None = None) -> bool:
 
 def link(path: Path, target: str) -> None:
     """Point `path` at `target` in one step: a new link beside it, renamed over it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-    if tmp.is_symlink():  # ours: this process's own name (a file of that name is another's and stays)
-        tmp.unlink()
-    os.symlink(target, tmp)
+    while True:  # a fresh random name: symlink() makes it here and now, never over something planted
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.part")
+        try:
+            os.symlink(target, tmp)
+            break
+        except FileExistsError:
+            continue
     os.replace(tmp, path)
 
 

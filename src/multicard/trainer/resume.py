@@ -70,10 +70,14 @@ def owner(out: str | Path) -> dict | None:
     return found if ok else None
 
 
-def newest(out: str | Path) -> Path | None:
+def newest(out: str | Path, outside: bool = True) -> Path | None:
     """What --resume auto goes on from: the newest checkpoint of the run that owns --out/checkpoints, or, where
     it wrote none yet, the checkpoint that run started from (None: it started from the beginning). In a folder
-    no run owns (an older version's), its newest checkpoint."""
+    no run owns (an older version's), its newest checkpoint.
+
+    The checkpoint run.json says the run started from is looked for among the checkpoints found in --out
+    (never a path read from a file and opened as it is): one elsewhere is one line that names it, to be given as
+    --resume by the user (`outside`=False: None instead)."""
     own = owner(out)
     if own is None:
         found = whole(out)
@@ -81,19 +85,38 @@ def newest(out: str | Path) -> Path | None:
     found = whole(out, own["run"])
     if found:
         return found[-1] / "state.pt"
-    started = Path(own["from"]) if isinstance(own.get("from"), str) else None
-    return started if started is not None and started.is_file() else None
+    started = own.get("from")
+    if not isinstance(started, str):
+        return None
+    for checkpoint in inside(out):
+        if same(checkpoint / "state.pt", Path(started)):
+            return checkpoint / "state.pt"
+    if not outside:
+        return None
+    raise UsageError(f"--resume auto: the run in {Path(out) / FOLDER} started from {started[:300]!r}, which is "
+                     f"not a checkpoint in --out, and wrote none of its own: to go on from there, give it as "
+                     f"--resume; to start over, leave --resume out")
+
+
+def inside(out: str | Path) -> list[Path]:
+    """Every whole checkpoint in --out/checkpoints and in its run-<id> folders (found by listing; no link
+    followed)."""
+    folder = Path(out) / FOLDER
+    if not safefs.is_folder(folder):
+        return []
+    return [*whole(out), *(c for run in sorted(folder.glob("run-*")) if safefs.is_folder(run) for c in whole(run))]
+
 
 def same(a: Path | None, b: Path | None) -> bool:
     return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
 
-def resolve(spec: str, out: str | Path) -> Path | None:
+def resolve(spec: str, out: str | Path, outside: bool = True) -> Path | None:
     """--resume: "" (none), auto (what newest() says of --out, or none), or a checkpoint's folder or state.pt
     file, or an --out, its checkpoints folder or a run-<id> folder in it (its newest, as auto)."""
     if not spec:
         return None
     if spec == "auto":
-        return newest(out)
+        return newest(out, outside)
     path = Path(spec)
     if path.is_dir():
         if (path / "state.pt").is_file():

@@ -73,14 +73,17 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
     chosen = config.batch_size is not None or config.accumulate > 1  # the batch given, not the auto one
+    named = "--batch-size" if config.batch_size is not None else f"--accumulate {config.accumulate}"
     # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)
     start = decide(config, given, mc.world_size)
     config = start.config
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
     if chosen and config.batch_size > len(train_data):  # one short step a epoch, under a batch that never ran
-        raise UsageError(f"--batch-size {config.batch_size}: the global batch is larger than the training set "
-                         f"({len(train_data)} samples); choose at most {len(train_data)}")
+        said = f"--batch-size {config.batch_size}" if named == "--batch-size" else \
+            f"{named} (a global batch of {config.batch_size})"
+        raise UsageError(f"{said}: the global batch is larger than the training set ({len(train_data)} samples); "
+                         f"choose at most {len(train_data)}")
     recipe = (optimizer, scheduler, step_scheduler_every)
     args = (model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric)
     # rank 0 holds --out (a lock) for the whole run, restarts included; the other ranks of a launched job write
@@ -102,9 +105,9 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
         if output is not None and start.line and (start.checkpoint is not None or not config.quiet):
             say(start.line)
         run = output.new_run() if output is not None else None
-        if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
-            claim(config.out, start.checkpoint)
         try:
+            if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
+                claim(config.out, start.checkpoint)
             summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
         except RankFailed as e:
             output.discard(run)

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import safefs
 from ..errors import UsageError
 from ..front.multicard import Multicard
-from .outdir import MARK
+from .outdir import MARK, drop_half_marked
 from .report import say
 from .resume import FOLDER, OWNER, newest, owner, run_of, same, whole
 
@@ -43,7 +43,7 @@ def claimed(out: str | Path, resumed: Path | None) -> str:
     own = owner(out)
     folder = Path(out) / FOLDER
     keep = [resumed.parent] if resumed is not None else []
-    if own is not None and resumed is not None and same(resumed, newest(out)):
+    if own is not None and resumed is not None and same(resumed, newest(out, outside=False)):
         run = own["run"]
         keep += [Path(own["from"]).parent] if isinstance(own.get("from"), str) else []
     else:
@@ -122,7 +122,7 @@ def fresh(part: Path, run: str) -> None:
     found = safefs.kind(part)
     if found == "folder" and run_of(part) == run:
         shutil.rmtree(part)
-    elif found is not None:
+    elif found is not None and not drop_half_marked(part):  # anything but one a kill cut short before its marker
         raise UsageError(f"{part}: a {found} multicard did not make is in the way of this checkpoint; move it "
                          f"elsewhere and run again (--resume auto goes on)")
     try:

@@ -36,8 +36,9 @@ def decide(config: TrainConfig, given: set[str] | None = None, world: int | None
 
 
 def restart(start: Start) -> Start:
-    """After a failed attempt: the same run, as decided, from its newest checkpoint (what --resume auto finds)."""
-    return begun(start.config, resolve("auto", start.config.out), True)
+    """After a failed attempt: the same run, as decided, from its newest checkpoint, or where it wrote none, from
+    where it started (known here, not read back from run.json)."""
+    return begun(start.config, resolve("auto", start.config.out, outside=False) or start.checkpoint, True)
 
 
 def begun(config: TrainConfig, checkpoint: Path | None, auto: bool) -> Start:
