@@ -141,6 +141,7 @@ def test_a_failing_rank_shows_its_traceback_once_and_the_kernel_goes_on(kernel):
     shown = "\n".join(error(cell)["traceback"]) + text(cell) + text(cell, "stderr")
     assert shown.count("Traceback (most recent call last)") == 1
     assert shown.count("ValueError: rank one says no") == 1
+    assert 'raise ValueError("rank one says no")' in shown  # the cell's own line, as a one-process error shows it
     assert error(cell)["traceback"][-1].startswith("RankFailed: rank 1 failed")
     again = kernel.run("multicard.launch(lambda mc: mc.rank + 41, devices='cpu:2')")  # a second launch works
     assert result(again) == "41"
@@ -229,6 +230,7 @@ def test_a_kernel_that_used_a_card_still_launches(kernel):
 
 
 SCRIPT = """
+import sys
 import multicard, torch
 
 class Doubled:  # defined in __main__, which the ranks cannot run again
@@ -236,7 +238,7 @@ class Doubled:  # defined in __main__, which the ranks cannot run again
         self.value = value
 
 def job(mc, scale):
-    print(f"rank {mc.rank} of {mc.world_size}")
+    sys.stdout.write(f"rank {mc.rank} of {mc.world_size}\\n")  # one write: unbuffered, print makes two
     return Doubled(torch.tensor([2.0]) * scale)
 
 out = multicard.launch(job, 21, devices="cpu:2")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import os
 import pickle
 import sys
@@ -50,11 +51,30 @@ def _refuse_file(file: io.TextIOWrapper) -> None:
     raise TypeError(f"cannot pickle '{type(file).__module__}.{type(file).__name__}' object")
 
 
+def _code_reduce(code: types.CodeType) -> tuple:
+    """cloudpickle's reduction of a code object, less its one loss: it names every file "<dynamic-code>", so a
+    failing rank's traceback shows no file and no source. The cell's file name is kept, and its lines (what
+    IPython keeps for a cell in linecache) travel along, for the rank's traceback to show."""
+    rebuild, args = cloudpickle.cloudpickle._code_reduce(code)
+    args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    entry = linecache.cache.get(code.co_filename)
+    return _with_source, (rebuild, args, code.co_filename, entry[2] if entry else None)
+
+
+def _with_source(rebuild: Any, args: tuple, filename: str, lines: list[str] | None) -> types.CodeType:
+    if lines and filename not in linecache.cache:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)  # mtime None: kept, not checked
+    return rebuild(*args)
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, less its copy of a text file open for reading (each process would get a snapshot of its
-    contents, read whole into memory): an open file is refused, as plain pickle refuses it."""
+    contents, read whole into memory): an open file is refused, as plain pickle refuses it. Code keeps its
+    file name and source lines (_code_reduce)."""
 
-    dispatch_table = ChainMap({io.TextIOWrapper: _refuse_file}, cloudpickle.Pickler.dispatch_table)
+    dispatch_table = ChainMap({io.TextIOWrapper: _refuse_file,
+                               **({types.CodeType: _code_reduce} if hasattr(cloudpickle.cloudpickle, "_code_reduce")
+                                  else {})}, cloudpickle.Pickler.dispatch_table)
 
 
 def _by_value(obj: Any) -> bytes:
