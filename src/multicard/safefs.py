@@ -9,6 +9,7 @@ temporaries under a fresh random name with O_EXCL, so a name planted in advance 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -71,11 +72,21 @@ def read_bytes(path: Path, limit: int, what: str | None = None) -> bytes:
         os.close(fd)
 
 
+def temporary_name(stem: str) -> str:
+    """A fresh random name beginning with `stem`, as every temporary in --out is named."""
+    return f"{stem}.{secrets.token_hex(6)}.part"
+
+
+def is_temporary(name: str, stem: str) -> bool:
+    """Whether `name` is one temporary_name(stem) gives."""
+    return re.fullmatch(re.escape(stem) + r"\.[0-9a-f]{12}\.part", name) is not None
+
+
 def create(folder: Path, stem: str) -> tuple[int, Path]:
     """A new file in `folder` under a fresh random name beginning with `stem`, made here and now (O_EXCL, never
     through a link); mode as this user's umask gives. Returns its descriptor and path."""
     for _ in range(100):
-        path = folder / f"{stem}.{secrets.token_hex(6)}.part"
+        path = folder / temporary_name(stem)
         try:
             return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), path
         except FileExistsError:

@@ -73,8 +73,12 @@ def read(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path}: no such file")
+    return _loaded(path, path)
+
+
+def _loaded(source: Path | io.BytesIO, path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a foreign or damaged file
         raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
 
@@ -85,11 +89,7 @@ RANK_FILE_MOST = 64 << 20  # a rank's own part of a checkpoint: its random strea
 def read_small(path: Path, most: int = RANK_FILE_MOST) -> Any:
     """A small checkpoint file (a rank's part) read as read() does, but only a regular file, never through a
     link, and only up to `most` bytes."""
-    raw = safefs.read_bytes(path, most, f"checkpoint {path}")
-    try:
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
+    return _loaded(io.BytesIO(safefs.read_bytes(path, most, f"checkpoint {path}")), path)
 
 
 def is_state_dict(obj: Any) -> bool:

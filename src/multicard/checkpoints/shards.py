@@ -116,8 +116,7 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
     models = {k: unwrap(m) for k, m in models.items()}
     target = sharded_state(models, optimizers)
     where = path.parent / info["folder"]  # a name checked above: beside the checkpoint, never elsewhere
-    plain_files(where)
-    most = METADATA_BASE + METADATA_PER_CHUNK * tensors(target) * sum(1 for _ in where.iterdir())
+    most = METADATA_BASE + METADATA_PER_CHUNK * tensors(target) * plain_files(where)
     metadata(where, limit=most)  # refused here, on every rank, before DCP reads anything
     try:
         dcp.load(target, storage_reader=reader(where, most), planner=planner())
@@ -147,17 +146,19 @@ def first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
-def plain_files(where: Path) -> None:
+def plain_files(where: Path) -> int:
     """Every entry of a shards folder is a regular file (DCP writes nothing else): a FIFO would hang DCP's read,
-    a link could point anywhere. Anything else is one line."""
+    a link could point anywhere. Anything else is one line. Returns how many there are."""
     if not safefs.is_folder(where):
         raise UsageError(f"shards folder {where}: is {safefs.kind(where) or 'missing'}, not a folder multicard "
                          f"wrote")
-    for entry in where.iterdir():
+    entries = list(where.iterdir())
+    for entry in entries:
         found = safefs.kind(entry)
         if found != "file":
             raise UsageError(f"shards folder {where}: {entry.name} is a {found}, not a file DCP writes; move it "
                              f"elsewhere")
+    return len(entries)
 
 
 # the globals a .metadata that DCP wrote names (torch 2.4-2.13): its dataclasses, torch.Size, a dtype, a layout by

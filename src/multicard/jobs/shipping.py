@@ -123,8 +123,7 @@ def workers_by_fork() -> None:
     (spawn would look it up in a `__main__` that never defined it). Elsewhere the start method is left as it is."""
     import multiprocessing
 
-    if not main_runs_again() and "fork" in multiprocessing.get_all_start_methods() and \
-            sys.platform.startswith("linux"):
+    if not main_runs_again() and sys.platform.startswith("linux"):
         multiprocessing.set_start_method("fork", force=True)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -19,9 +18,7 @@ FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --ou
 OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
 MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
-OWNER_PART = re.compile(r"run\.json\.[0-9a-f]{12}\.part")  # the temporary safefs.write_file makes of run.json
 LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.(\d+|[0-9a-f]{{12}})\.part")
-MARK_PART = re.compile(re.escape(MARK) + r"\.[0-9a-f]{12}\.part")  # the temporary safefs.create makes of a marker
 
 
 class Output:
@@ -101,7 +98,7 @@ class Output:
         for part in checkpoints.glob("*.part") if checkpoints.is_dir() and not checkpoints.is_symlink() else ():
             if marked(part):
                 remove(part)
-            elif OWNER_PART.fullmatch(part.name) and safefs.kind(part) == "file":  # run.json half-written
+            elif safefs.is_temporary(part.name, "run.json") and safefs.kind(part) == "file":  # half-written
                 part.unlink()
             elif not drop_half_marked(part):
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
@@ -171,7 +168,7 @@ def drop_half_marked(folder: Path) -> bool:
     if not safefs.is_folder(folder):
         return False
     entries = list(folder.iterdir())
-    if not all(MARK_PART.fullmatch(e.name) and safefs.kind(e) == "file" for e in entries):
+    if not all(safefs.is_temporary(e.name, MARK) and safefs.kind(e) == "file" for e in entries):
         return False
     for entry in entries:
         entry.unlink(missing_ok=True)
@@ -189,7 +186,7 @@ def ours(path: Path, target: str | None = None) -> bool:
 def link(path: Path, target: str) -> None:
     """Point `path` at `target` in one step: a new link beside it, renamed over it."""
     while True:  # a fresh random name: symlink() makes it here and now, never over something planted
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.part")
+        tmp = path.with_name(safefs.temporary_name(path.name))
         try:
             os.symlink(target, tmp)
             break

@@ -72,16 +72,16 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout)
-    chosen = config.batch_size is not None or config.accumulate > 1  # the batch given, not the auto one
-    named = "--batch-size" if config.batch_size is not None else f"--accumulate {config.accumulate}"
+    batch_given = config.batch_size is not None
+    chosen = batch_given or config.accumulate > 1  # the batch given, not the auto one
     # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)
     start = decide(config, given, mc.world_size)
     config = start.config
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
     if chosen and config.batch_size > len(train_data):  # one short step a epoch, under a batch that never ran
-        said = f"--batch-size {config.batch_size}" if named == "--batch-size" else \
-            f"{named} (a global batch of {config.batch_size})"
+        said = f"--batch-size {config.batch_size}" if batch_given else \
+            f"--accumulate {config.accumulate} (a global batch of {config.batch_size})"
         raise UsageError(f"{said}: the global batch is larger than the training set ({len(train_data)} samples); "
                          f"choose at most {len(train_data)}")
     recipe = (optimizer, scheduler, step_scheduler_every)
