@@ -6,14 +6,14 @@ torchrun), join the process group (here, on first use), wrap the model (`mc.setu
 
 The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
 spawned processes; prepared.py: the set-up model; precision.py; between.py and collectives.py: parts and
-collectives; saving.py: checkpoints; loggers.py; memory.py).
+collectives; steps.py: backward, clipping, no_backward_sync; saving.py: checkpoints; loggers.py;
+memory.py).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +25,18 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
-from ..jobs.slots import watched
 from ..strategies import Strategy
 from . import closure, memory
 from .between import Between
 from .loggers import make_loggers
-from .precision import PRECISIONS, autocast
+from .precision import PRECISIONS
 from .prepared import Prepared
 from .processes import launched, make_strategy
 from .saving import Checkpoints
+from .steps import Steps
 
 
-class Multicard(Between, Checkpoints):
+class Multicard(Between, Checkpoints, Steps):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -252,51 +252,6 @@ class Multicard(Between, Checkpoints):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""
         return model.module if isinstance(model, Prepared) else self._strategy.unwrap(model)
-
-    # -- training steps --------------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(); under fp16 the loss is scaled first."""
-        with watched():  # ddp's gradient reduction ran out of time: told to the launcher, even where it is caught
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Scale the gradients down so that their norm over ALL parameters of the whole model is at most
-        max_norm (after unscaling under fp16); returns that norm as it was (a tensor: compare, no host sync).
-        Call it between the last backward and optimizer.step(); every strategy gets the same number."""
-        if not 0 < max_norm < float("inf"):
-            raise UsageError(f"max_norm {max_norm}: must be a positive number")
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        return self._strategy.clip_grad_norm(model, max_norm)
-
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, enabled: bool = True) -> Iterator[None]:
-        """Gradients stay local (no reduction) for the micro-batches run inside, e.g. all but the last of several
-        accumulated ones; the next backward outside reduces the sum. `model` is what setup returned. Under ddp
-        the FORWARD decides: run forward and backward inside (a backward inside whose forward ran outside is
-        still reduced; that is said once on stderr). fsdp skips by backward, so backward inside is enough."""
-        if not isinstance(model, Prepared):
-            raise UsageError(f"no_backward_sync(model) takes the model mc.setup returned, not a plain "
-                             f"{type(model).__name__} (model.module or the model before setup cannot skip the "
-                             f"reduction)")
-        with self._strategy.no_sync(model.forward_module) if enabled else contextlib.nullcontext(), \
-                model._sync_paused() if enabled else contextlib.nullcontext():
-            yield
-
-    def mark_forward(self, model: nn.Module, *names: str) -> None:
-        """Methods of your model that run its layers outside forward (model.encode(x), model.generate(...)):
-        under ddp and fsdp, each call with gradients on then runs through the wrapper's forward, so their
-        gradients are reduced. Unmarked, such a call is one error naming it (other strategies need nothing)."""
-        if not isinstance(model, Prepared):
-            raise UsageError("mark_forward(model, ...) takes the model mc.setup returned")
-        for name in names:
-            if not callable(getattr(model.module, name, None)):
-                raise UsageError(f"mark_forward: {type(model.module).__name__} has no method {name!r}")
-        model._marked.update(names)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The precision's autocast (nothing for fp32); setup's model already runs its forward under it."""
-        return autocast(self.device.type, self.precision)
 
     # -- memory ----------------------------------------------------------------------------------------------
     def peak_memory_mb(self) -> list[float]:
