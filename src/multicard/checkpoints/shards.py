@@ -295,5 +295,9 @@ def planner():
 def refusal(e: Exception) -> str:
     """What torch's weights_only unpickler refused, without the advice torch gives beside it (to load the file
     with weights_only=False: never, for a file that failed the checks)."""
-    said = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", str(e), re.S)
-    return said.group(1).strip()[:200] if said else "a type outside torch's allow-list"
+    said = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", str(e), re.S)  # torch 2.4-2.12
+    parts = [said.group(1)] if said else re.split(r"\n\s*\n", str(e))  # torch 2.13: the advice, then the refusal
+    for part in parts:
+        if part.strip() and not re.search(r"weights_only|documentation|Weights only load failed", part):
+            return part.strip().splitlines()[0][:200]
+    return "a type outside torch's allow-list"
