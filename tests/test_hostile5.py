@@ -86,7 +86,7 @@ def as_written_before(mc, path: Path, streams) -> None:
         del raw["multicard"]["ranks"]
         torch.save(raw, path)
     else:
-        torch.save({"save": 1, "world": mc.world_size, "rng": streams, "rank": mc.rank},
+        torch.save({"save": mc._saves, "world": mc.world_size, "rng": streams, "rank": mc.rank},
                    checkpoint.rank_file(path, mc.rank))
 
 

@@ -51,6 +51,11 @@ def fresh(path: Path, save: int) -> safefs.Folder:
     """Rank 0, before a save: a new folder for its shards, made here and now and held open (mkdir never goes
     through a link, nor into a folder already there: an earlier save's, still named by the checkpoint, or a
     user's)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as a plain checkpoint's folder is made
+    except OSError as e:
+        raise UsageError(f"cannot write {safefs.shown(path)} ({e.strerror}); choose another place for the "
+                         f"checkpoint") from None
     with safefs.Folder.open(path.parent, f"cannot write {safefs.shown(path)}: its folder") as parent:
         while True:
             name = folder(path, save).name
