@@ -238,7 +238,10 @@ class Folder:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules it uses may be gone; the system closes it then
+            pass
 
 
 def replaced(what: str) -> str:

@@ -83,7 +83,7 @@ def _loaded(source: Path | io.BytesIO, path: Path) -> Any:
                          f"({type(e).__name__})") from None
 
 
-RANK_FILE_MOST = 64 << 20  # a rank's own part of a checkpoint: its random streams, a few KB per device
+RANK_FILE_MOST = 64 << 20  # an older checkpoint's rank file: a rank's random streams, a few KB per device
 
 
 def read_small(path: Path, most: int = RANK_FILE_MOST) -> Any:

@@ -80,8 +80,12 @@ def check(source: Path | BinaryIO, what: str) -> None:
     """One line naming `what` where its bytes are not those its save wrote."""
     found = damage(source)
     if found:
-        raise UsageError(f"{what}: damaged: {found}, so its bytes are not those its save wrote; load an earlier "
-                         f"checkpoint, or write this one again")
+        raise UsageError(said(what, found))
+
+
+def said(what: str, found: str) -> str:
+    return f"{what}: damaged: {found}, so its bytes are not those its save wrote; load an earlier checkpoint, or " \
+        f"write this one again"
 
 
 def of_file(fd: int) -> int:

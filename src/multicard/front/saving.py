@@ -121,8 +121,7 @@ def _sound(mc: Any, path: Path, where: Path, recorded: Any) -> None:
     line on every rank."""
     damaged = [found for found in mc.gather(sums.files_damage(where, recorded, mc.rank, mc.world_size)) if found]
     if damaged:
-        raise UsageError(f"checkpoint {path}: damaged: {damaged[0]}, so its bytes are not those its save wrote; "
-                         f"load an earlier checkpoint, or write this one again")
+        raise UsageError(sums.said(f"checkpoint {path}", damaged[0]))
 
 
 def _load_module(mc: Any, module: nn.Module, state: dict[str, torch.Tensor]) -> None:

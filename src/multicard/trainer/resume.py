@@ -2,9 +2,10 @@
 head checked, and the recipe a resume takes from it. Nothing here writes (saves.py does; start.py decides).
 
 Each checkpoint is a folder, step-<optimizer steps>, holding state.pt (rank 0: model, optimizer, scheduler,
-scaler, the place in the data, the epochs so far, rank 0's random streams, the run's id) and state.rank<r>.pt
-(rank r's random streams). It is written as step-N.part and renamed only once every rank has written its part: a
-kill at any instant leaves the checkpoints before it whole, and only whole ones are ever resumed from.
+scaler, the place in the data, the epochs so far, every rank's random streams, the run's id; under fsdp every
+rank's shards in a folder beside it; older versions kept rank r's streams in state.rank<r>.pt). It is written as
+step-N.part and renamed only once every rank has written its part: a kill at any instant leaves the checkpoints
+before it whole, and only whole ones are ever resumed from; a damaged one is passed over by --resume auto.
 
 Checkpoints belong to a run. checkpoints/run.json names the run that owns the folder (the last one started
 there) and the checkpoint it started from; each checkpoint carries its run's id (a .multicard file, and "run" in
