@@ -64,7 +64,8 @@ def test_checkpoints_hold_shards_and_resume_on_three_processes(two, tmp_path):
     """torch.distributed.checkpoint reshards 2 -> 3; the data order goes on; evaluation on 3 stays exact."""
     summary, out = two
     step = out / "checkpoints" / "step-00000003"
-    assert list(step.glob("state.shards-*/.metadata")) and (step / "state.rank1.pt").is_file()
+    assert list(step.glob("state.shards-*/.metadata")) and sorted(p.name for p in step.glob("*.pt")) == ["state.pt"]
+    assert list(torch.load(step / "state.pt", weights_only=True)["multicard"]["ranks"]) == [1]  # rank 1's streams
     resumed = fsdp_run(tmp_path, "cpu:3", resume=str(step), batch_size=24)
     assert resumed["world_size"] == 3 and resumed["test_samples"] == 50
     a, b = torch.load(out / "model.pt", weights_only=True), torch.load(tmp_path / "model.pt", weights_only=True)

@@ -350,8 +350,9 @@ def test_a_part_name_taken_by_something_else_is_one_line(tmp_path, what):
         (part / "notes.txt").write_text("mine")
     else:
         os.mkfifo(part) if what == "fifo" else part.write_text("mine")
-    with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"):
-        saves.fresh(part, OLD)
+    with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"), \
+            safefs.Folder.open(part.parent) as checkpoints:
+        saves.fresh(checkpoints, part, OLD)
     assert safefs.kind(part) == what
 
 

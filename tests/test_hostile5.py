@@ -16,6 +16,7 @@ from torch import nn
 
 import multicard
 from multicard import safefs
+from multicard.checkpoints import plain as checkpoint
 from multicard.checkpoints import shards
 from multicard.errors import UsageError
 from multicard.trainer import resume, start
@@ -77,11 +78,25 @@ def test_a_shards_folder_named_by_a_checkpoint_is_a_name_beside_it(tmp_path):
 
 
 # -- a rank's part of a checkpoint, through a link -----------------------------------------------------------------
+def as_written_before(mc, path: Path, streams) -> None:
+    """A checkpoint as multicard wrote it before one file held every rank's random streams: each rank's beside
+    it (ckpt.rank1.pt)."""
+    if mc.rank == 0:
+        raw = torch.load(path, weights_only=True)
+        del raw["multicard"]["ranks"]
+        torch.save(raw, path)
+    else:
+        torch.save({"save": mc._saves, "world": mc.world_size, "rng": streams, "rank": mc.rank},
+                   checkpoint.rank_file(path, mc.rank))
+
+
 def rank_part_job(mc, folder: str) -> list[float]:
     folder = Path(folder)
     torch.manual_seed(10 + mc.rank)
     saved = torch.get_rng_state()
+    streams = checkpoint.rng_state()
     mc.save(folder / "ckpt.pt", {"x": 1})
+    as_written_before(mc, folder / "ckpt.pt", streams)
     mc.barrier()
     if mc.rank == 1:  # the part moved away, and a link to it (someone else's) put in its place
         os.replace(folder / "ckpt.rank1.pt", folder / "theirs.pt")

@@ -293,7 +293,7 @@ def test_an_out_out_of_space_is_one_line(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with Output(str(tmp_path)) as output:
-        monkeypatch.setattr(Path, "mkdir", full)
+        monkeypatch.setattr(os, "mkdir", full)
         with pytest.raises(UsageError, match=r"cannot write there \(No space left on device\)"):
             output.new_run()
         monkeypatch.undo()

@@ -89,7 +89,9 @@ def ddp(tmp_path_factory):
 @pytest.mark.parametrize("step", [pytest.param(4, marks=pytest.mark.slow), 6],
                          ids=["epoch-boundary", "mid-epoch"])
 def test_a_resumed_ddp_run_ends_bit_identical(ddp, tmp_path, step):
-    assert (ddp / "checkpoints" / f"step-{step:08d}" / "state.rank1.pt").is_file()
+    held = ddp / "checkpoints" / f"step-{step:08d}"
+    assert sorted(p.name for p in held.iterdir() if p.suffix == ".pt") == ["state.pt"]  # one file: every rank's
+    assert list(torch.load(held / "state.pt", weights_only=True)["multicard"]["ranks"]) == [1]  # streams in it
     lenet_run(tmp_path, strategy="ddp", devices="cpu:2", resume=str(ddp / "checkpoints" / f"step-{step:08d}"))
     assert identical(ddp, tmp_path)
 

@@ -4,19 +4,30 @@ earlier mistake) may have planted a link, a FIFO, a device or a huge file under 
 Rules: never follow a link multicard did not make (lstat, O_NOFOLLOW); open only regular files, without blocking
 (O_NONBLOCK: a FIFO would wait forever for a writer); read no more than a file of that kind can hold; create
 temporaries under a fresh random name with O_EXCL, so a name planted in advance is never written through.
+
+And against a user who can write where multicard writes, while it writes: a folder multicard makes is held open
+(Folder) and written through that descriptor, never again by its name, so renaming it and planting a link in its
+place redirects nothing; a folder others could rename things in is refused (guard), as ssh refuses such a home.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import stat
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, NamedTuple
 
 from .errors import UsageError
 
 SMALL = 64 * 1024  # markers and run.json: a few dozen bytes by construction
+FOLDER_MODE = 0o755  # a folder multicard makes: nobody else may add, rename or remove in it, whatever the umask
+MAGIC = Path("/proc/self/fd")  # Linux: /proc/self/fd/N/name is `name` in the folder descriptor N holds, wherever it is
+_shown: dict[int, Path] = {}  # descriptor -> the path a held folder is named by in messages
 
 
 def kind(path: Path) -> str | None:
@@ -82,35 +93,17 @@ def is_temporary(name: str, stem: str) -> bool:
     return re.fullmatch(re.escape(stem) + r"\.[0-9a-f]{12}\.part", name) is not None
 
 
-def create(folder: Path, stem: str) -> tuple[int, Path]:
-    """A new file in `folder` under a fresh random name beginning with `stem`, made here and now (O_EXCL, never
-    through a link); mode as this user's umask gives. Returns its descriptor and path."""
-    for _ in range(100):
-        path = folder / temporary_name(stem)
-        try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{folder}: no free temporary name")
-
-
 def write_file(path: Path, data: bytes) -> None:
     """`data` into `path` as one whole: written to a fresh temporary beside it, then renamed over it (a link or
     a file planted at `path` is replaced, never written through)."""
-    fd, tmp = create(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with Folder.open(path.parent) as folder:
+        folder.write(path.name, lambda f: f.write(data))
 
 
 def make_folder(path: Path, what: str) -> Path:
     """`path` as a real folder: made if missing; a link, a file or anything else there is refused in one line."""
     try:
-        path.mkdir()
+        path.mkdir(FOLDER_MODE)
     except FileExistsError:
         pass
     except OSError as e:
@@ -119,3 +112,146 @@ def make_folder(path: Path, what: str) -> Path:
     if found != "folder":
         raise UsageError(f"{what}: is a {found}, not a folder multicard made; move it elsewhere")
     return path
+
+
+def guard(info: os.stat_result, what: str, path: Path) -> None:
+    """Refuse a folder in which another user could swap what multicard makes for a link elsewhere: one owned by
+    another user (root aside), or writable by group or others without the sticky bit (ssh's rule for a home)."""
+    if info.st_uid not in (os.geteuid(), 0):
+        raise UsageError(f"{what}: belongs to another user (uid {info.st_uid}), who could swap what multicard makes "
+                         f"there for a link elsewhere; use a folder of your own (or chown it to you)")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise UsageError(f"{what}: other users can write into it ({stat.filemode(info.st_mode)}) and could swap "
+                         f"what multicard makes there for a link elsewhere; run `chmod go-w {path}` or choose "
+                         f"another folder")
+
+
+class Made(NamedTuple):
+    """A folder multicard made, as another process of the job finds it again: its path and what it is. Reads as
+    its path (run / "model.pt", open(run)) where a caller only names it."""
+    path: Path
+    dev: int
+    ino: int
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+
+class Folder:
+    """A folder held open. What is written through it lands in that very folder, wherever it has been moved and
+    whatever has been put under its name since; `via` names it for an API that takes a path (torch.save's
+    callers, DCP, TensorBoard)."""
+
+    def __init__(self, fd: int, shown: Path):
+        self.fd, self.shown = fd, Path(shown)
+        info = os.fstat(fd)
+        self.made = Made(self.shown, info.st_dev, info.st_ino)
+        _shown[fd] = self.shown
+
+    @classmethod
+    def open(cls, path: Path, what: str | None = None) -> Folder:
+        """The folder at `path` as given (links on the way followed: the path is the caller's)."""
+        try:
+            return cls(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), Path(shown(path)))
+        except OSError as e:
+            raise UsageError(f"{what or path}: cannot be opened as a folder ({e.strerror})") from None
+
+    @classmethod
+    def again(cls, made: Made, what: str) -> Folder:
+        """In another process: the folder `made` names, only where it is still that one (not a link, not
+        another folder put under its name)."""
+        try:
+            folder = cls(os.open(made.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), made.path)
+        except OSError:
+            raise UsageError(replaced(what)) from None
+        if folder.made != made:
+            folder.close()
+            raise UsageError(replaced(what))
+        return folder
+
+    @property
+    def via(self) -> Path:
+        return MAGIC / str(self.fd) if sys.platform.startswith("linux") else self.shown
+
+    def make(self, name: str, what: str) -> Folder:
+        """A new folder `name` in this one, made here and now and held: nobody else may write into it. What
+        mkdir raises (a name taken, a full disk) is raised."""
+        os.mkdir(name, FOLDER_MODE, dir_fd=self.fd)
+        return self.take(name, what)
+
+    def take(self, name: str, what: str, ino: int | None = None) -> Folder:
+        """The folder `name` in this one, held: a link there is refused, and so is a folder not this user's (or,
+        given `ino`, not the one another process made)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError:
+            raise UsageError(replaced(what)) from None
+        folder = Folder(fd, self.shown / name)
+        if os.fstat(fd).st_uid != os.geteuid() or ino not in (None, folder.made.ino):
+            folder.close()
+            raise UsageError(replaced(what))
+        return folder
+
+    def holds(self, name: str, folder: Folder) -> bool:
+        """Whether `name` here is still `folder` (not renamed away, nothing put in its place)."""
+        try:
+            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == folder.made[1:]
+
+    def write(self, name: str, fill: Callable[[IO[bytes]], object]) -> None:
+        """`name` here as one whole: fill(file) writes a fresh temporary (O_EXCL, never through a link), which is
+        then renamed over `name` (a link or a file planted there is replaced, never written through)."""
+        for _ in range(100):
+            tmp = temporary_name(name)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                             dir_fd=self.fd)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"{self.shown}: no free temporary name")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            _shown.pop(self.fd, None)
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the modules it uses may be gone; the system closes it then
+            pass
+
+
+def replaced(what: str) -> str:
+    return (f"{what}: was replaced after multicard made it (by a user who can write into its folder?); nothing "
+            f"was written there")
+
+
+def shown(path: Path | str) -> str:
+    """`path` as messages name it: one through a held folder's descriptor, by that folder's own path."""
+    parts = Path(path).parts
+    if len(parts) > 4 and Path(*parts[:4]) == MAGIC and parts[4].isdigit() and int(parts[4]) in _shown:
+        return str(_shown[int(parts[4])].joinpath(*parts[5:]))
+    return str(path)

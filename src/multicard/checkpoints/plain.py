@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import io
-import os
 import random
 import re
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from torch import nn
 
 from .. import safefs
 from ..errors import UsageError
+from . import sums
 
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a filesystem out of space, inodes or quota: a line, not a traceback
 # what torch's zip writer says when the file system refuses a write half-way (EFBIG under ulimit -f, ...)
@@ -43,47 +43,47 @@ def save(model: nn.Module, path: str | Path) -> Path:
 
 
 def write_atomic(obj: Any, path: str | Path) -> Path:
-    """torch.save into a temporary file beside `path`, then rename: a crash never leaves half a file. The file
-    gets this user's usual mode (umask), as any file they write."""
+    """torch.save into a temporary file beside `path`, then rename, both through the folder held open: a crash
+    never leaves half a file, and a folder swapped meanwhile is not written through. The file gets this user's
+    usual mode (umask), as any file they write; its zip records a CRC-32 of every entry (checked on load)."""
     path = Path(path)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = safefs.create(path.parent, path.name)  # a fresh name: nothing planted is written through
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
+        with safefs.Folder.open(path.parent) as folder, sums.recorded():
+            folder.write(path.name, lambda f: torch.save(obj, f))
     except BaseException as e:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        named = safefs.shown(path)
         if isinstance(e, OSError) and e.errno in FULL:
-            raise UsageError(f"cannot write {path} ({e.strerror}): free space on that filesystem, or choose "
+            raise UsageError(f"cannot write {named} ({e.strerror}): free space on that filesystem, or choose "
                              f"another --out") from None
         if isinstance(e, OSError) and e.errno is not None:  # read-only, no permission, a file-size limit
-            raise UsageError(f"cannot write {path} ({e.strerror}); choose another --out") from None
+            raise UsageError(f"cannot write {named} ({e.strerror}); choose another --out") from None
         if isinstance(e, RuntimeError) and WRITE_FAILED.search(str(e)):  # torch's writer, failing part-way
-            raise UsageError(f"cannot write {path}: the write stopped part-way (a file-size limit, or the disk "
+            raise UsageError(f"cannot write {named}: the write stopped part-way (a file-size limit, or the disk "
                              f"full?); choose another --out") from None
         raise
     return path
 
 
 def read(path: str | Path) -> Any:
-    """torch.load with weights_only=True onto the CPU; a missing or foreign file is one line."""
+    """torch.load with weights_only=True onto the CPU, once every byte is checked against the CRC-32s its save
+    recorded; a missing, damaged or foreign file is one line."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"checkpoint {path}: no such file")
+        raise UsageError(f"checkpoint {safefs.shown(path)}: no such file")
     return _loaded(path, path)
 
 
 def _loaded(source: Path | io.BytesIO, path: Path) -> Any:
+    sums.check(source, f"checkpoint {safefs.shown(path)}")
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a foreign or damaged file
-        raise UsageError(f"checkpoint {path}: not a readable PyTorch checkpoint ({type(e).__name__})") from None
+        raise UsageError(f"checkpoint {safefs.shown(path)}: not a readable PyTorch checkpoint "
+                         f"({type(e).__name__})") from None
 
 
-RANK_FILE_MOST = 64 << 20  # a rank's own part of a checkpoint: its random streams, a few KB per device
+RANK_FILE_MOST = 64 << 20  # an older checkpoint's rank file: a rank's random streams, a few KB per device
 
 
 def read_small(path: Path, most: int = RANK_FILE_MOST) -> Any:
@@ -153,23 +153,31 @@ def load(model: nn.Module, path: str | Path) -> nn.Module:
 def load_into(model: nn.Module, state: Any, what: str, load_module: Callable | None = None) -> nn.Module:
     """A state_dict into `model`, after checking every name and shape: a mismatch is one line, and leaves the
     model as it was."""
+    if wrong := misfit(model, state):
+        raise UsageError(f"{what}: {wrong}")
+    (load_module or type(model).load_state_dict)(model, unprefixed(state))
+    return model
+
+
+def misfit(model: nn.Module, state: Any) -> str | None:
+    """How `state` does not fit `model` (names and shapes), in a few words; None where it fits."""
     if not is_state_dict(state):
-        raise UsageError(f"{what}: holds no state_dict of tensors")
+        return "holds no state_dict of tensors"
     state = unprefixed(state)
     own = model.state_dict()
     missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     wrong = [k for k in own if k in state and own[k].shape != state[k].shape]  # in model order: one message
-    if missing or extra or wrong:
-        first = (missing and f"missing {missing[0]}") or (extra and f"unexpected {extra[0]}") or \
-            f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"
-        raise UsageError(f"{what}: does not fit the model "
-                         f"({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; {first})")
-    (load_module or type(model).load_state_dict)(model, state)
-    return model
+    if not (missing or extra or wrong):
+        return None
+    first = (missing and f"missing {missing[0]}") or (extra and f"unexpected {extra[0]}") or \
+        f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"
+    return f"does not fit the model ({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; " \
+        f"{first})"
 
 
 def rank_file(path: str | Path, rank: int) -> Path:
-    """Where rank `rank` (> 0) keeps its own part of a checkpoint: beside it, state.pt -> state.rank1.pt."""
+    """Where rank `rank` (> 0) kept its random streams beside a checkpoint before one file held every rank's
+    (state.pt -> state.rank1.pt): read for such checkpoints, never written."""
     path = Path(path)
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 

@@ -4,7 +4,9 @@ any number of processes (it reshards), which a file written by rank 0 alone coul
 
 Each save writes a folder of its own (ckpt.shards-<n>); the checkpoint file names it, and is replaced only after
 the folder is whole, so a kill at any instant leaves the previous checkpoint and its folder as they were. Older
-folders go once the new file is in place.
+folders go once the new file is in place. Rank 0 makes the folder and holds it open; every other rank opens it by
+name only where it is that very folder (its inode), and DCP writes through the descriptors (safefs.Folder), so a
+folder renamed and replaced by a link meanwhile redirects nothing.
 
 Reading them back unpickles nothing outside an allow-list: DCP reads its `.metadata` with plain pickle and the
 non-tensor values (the optimizers' settings) with torch.load(weights_only=False), so a planted file would run
@@ -19,6 +21,7 @@ import io
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +30,12 @@ from torch import nn
 
 from .. import safefs
 from ..errors import UsageError
+from .plain import FULL
+from .sums import DCP_FILE
 
 # largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each: a base, and this much per
 # tensor of the state for each process that wrote a part (each writes one __<rank>_0.distcp)
 METADATA_BASE, METADATA_PER_CHUNK = 1 << 20, 4096
-DCP_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # what DCP's file writer puts in a folder
 
 
 def folder(path: Path, save: int) -> Path:
@@ -43,19 +47,38 @@ def is_shards_name(path: Path, name: str) -> bool:
     return re.fullmatch(re.escape(f"{path.stem}.shards-") + r"\d+", name) is not None
 
 
-def fresh(path: Path, save: int) -> Path:
-    """Rank 0, before a save: a new folder for its shards, made here and now (mkdir never goes through a link,
-    nor into a folder already there: an earlier save's, still named by the checkpoint, or a user's)."""
-    while True:
-        target = folder(path, save)
-        try:
-            target.mkdir()
-            return target
-        except FileExistsError:
-            save += 1
-        except OSError as e:
-            raise UsageError(f"cannot write {target} ({e.strerror}); choose another place for the checkpoint") \
-                from None
+def fresh(path: Path, save: int) -> safefs.Folder:
+    """Rank 0, before a save: a new folder for its shards, made here and now and held open (mkdir never goes
+    through a link, nor into a folder already there: an earlier save's, still named by the checkpoint, or a
+    user's)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # as a plain checkpoint's folder is made
+    except OSError as e:
+        raise UsageError(f"cannot write {safefs.shown(path)} ({e.strerror}); choose another place for the "
+                         f"checkpoint") from None
+    with safefs.Folder.open(path.parent, f"cannot write {safefs.shown(path)}: its folder") as parent:
+        while True:
+            name = folder(path, save).name
+            try:
+                return parent.make(name, f"shards folder {parent.shown / name}")
+            except FileExistsError:
+                save += 1
+            except OSError as e:
+                raise UsageError(f"cannot write {parent.shown / name} ({e.strerror}); choose another place for "
+                                 f"the checkpoint") from None
+
+
+def take(path: Path, name: str, ino: int) -> safefs.Folder:
+    """Every other rank: the folder rank 0 made for this save (`ino`), held open; anything else under its name
+    is one line."""
+    with safefs.Folder.open(path.parent, f"cannot write {safefs.shown(path)}: its folder") as parent:
+        return parent.take(name, f"shards folder {parent.shown / name}", ino)
+
+
+def still(path: Path, held: safefs.Folder) -> bool:
+    """Rank 0, once DCP has written: whether the name the checkpoint gives is still the folder written into."""
+    with safefs.Folder.open(path.parent) as parent:
+        return parent.holds(held.shown.name, held)
 
 
 def split(state: dict[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
@@ -76,16 +99,32 @@ def sharded_state(models: dict[str, nn.Module], optimizers: dict[str, torch.opti
     return out
 
 
-def save(path: Path, name: str, state: dict[str, Any], unwrap) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every rank: write the models and optimizers of `state` into this save's folder `name` (made by rank 0 with
-    fresh()). Returns the rest of `state` (for the checkpoint file) and what the file must say of the folder."""
+def save(where: safefs.Folder, state: dict[str, Any], unwrap) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every rank: write the models and optimizers of `state` into this save's folder, held open (`where`).
+    Returns the rest of `state` (for the checkpoint file) and what the file must say of the folder."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     models, optimizers = split(state)
-    target = path.with_name(name)
-    dcp.save(sharded_state({k: unwrap(m) for k, m in models.items()}, optimizers), checkpoint_id=target)
+    try:
+        dcp.save(sharded_state({k: unwrap(m) for k, m in models.items()}, optimizers), checkpoint_id=where.via)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException: every rank gets every rank's trace
+        if not isinstance(e, (Exception, CheckpointException)):
+            raise
+        raise UsageError(f"cannot write {where.shown} ({written(e)}); the checkpoint before it is as it was") \
+            from None
     rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
-    return rest, {"folder": target.name, "models": list(models), "optimizers": list(optimizers)}
+    return rest, {"folder": where.shown.name, "models": list(models), "optimizers": list(optimizers)}
+
+
+def written(e: BaseException) -> str:
+    """Why DCP could not write, in a few words: a full disk as the one line a plain checkpoint gives."""
+    cause = failure(e)
+    if isinstance(cause, OSError) and cause.errno in FULL:
+        return f"{cause.strerror}: free space on that filesystem, or choose another place"
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    return first_failure(e)
 
 
 def drop_older(path: Path, keep: str) -> None:
@@ -98,9 +137,11 @@ def drop_older(path: Path, keep: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> None:
+def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap,
+         sound: Callable[[Path], None] = lambda where: None) -> None:
     """Every rank: the models and optimizers of `state` from the folder the checkpoint names, resharded onto
-    this job's processes."""
+    this job's processes. sound(folder): checks its files' sums, once the folder is known to be one DCP wrote
+    and before DCP reads anything."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -110,14 +151,12 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
     if missing:
         raise UsageError(f"checkpoint {path}: has no {missing[0]!r} (its shards hold "
                          f"{', '.join(map(repr, info['models'] + info['optimizers']))})")
-    if not isinstance(info.get("folder"), str) or not is_shards_name(path, info["folder"]):
-        raise UsageError(f"checkpoint {path}: its shards folder is not one multicard names "
-                         f"({str(info.get('folder'))[:100]!r}); not as multicard wrote it")
+    where = located(path, info)
     models = {k: unwrap(m) for k, m in models.items()}
     target = sharded_state(models, optimizers)
-    where = path.parent / info["folder"]  # a name checked above: beside the checkpoint, never elsewhere
     most = METADATA_BASE + METADATA_PER_CHUNK * tensors(target) * plain_files(where)
     metadata(where, limit=most)  # refused here, on every rank, before DCP reads anything
+    sound(where)
     try:
         dcp.load(target, storage_reader=reader(where, most), planner=planner())
     except UsageError:
@@ -133,15 +172,28 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap) -> Non
         set_optimizer_state_dict(next(iter(models.values())), optimizer, target[k])
 
 
-def first_failure(e: BaseException) -> str:
-    """One line for what DCP raised: for a CheckpointException, the first rank's own error, not its traces."""
+def failure(e: BaseException) -> BaseException:
+    """For a CheckpointException, the first rank's own error (not its traces); else `e`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException) and e.failures:
-        rank, (cause, _) = next(iter(sorted(e.failures.items())))
-        if isinstance(cause, UsageError):
-            return str(cause)
-        e = cause
+        return next(iter(sorted(e.failures.items(), key=lambda item: item[0])))[1][0]
+    return e
+
+
+def located(path: Path, info: dict[str, Any]) -> Path:
+    """The shards folder checkpoint `path` names: a name a save gives, beside it (never a path read elsewhere)."""
+    if not isinstance(info.get("folder"), str) or not is_shards_name(path, info["folder"]):
+        raise UsageError(f"checkpoint {path}: its shards folder is not one multicard names "
+                         f"({str(info.get('folder'))[:100]!r}); not as multicard wrote it")
+    return path.parent / info["folder"]
+
+
+def first_failure(e: BaseException) -> str:
+    """One line for what DCP raised."""
+    e = failure(e)
+    if isinstance(e, UsageError):
+        return str(e)
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
@@ -236,10 +288,21 @@ def planner():
             try:
                 checked = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise UsageError(f"a shards folder holds a value multicard does not load ({str(e)[:200]})") from None
+                raise UsageError(f"a shards folder holds a value multicard does not load ({refusal(e)})") from None
             safe = io.BytesIO()  # what the default planner reads back (with weights_only=False): checked values only
             torch.save(checked, safe)
             safe.seek(0)
             super().load_bytes(read_item, safe)
 
     return Planner()
+
+
+def refusal(e: Exception) -> str:
+    """What torch's weights_only unpickler refused, without the advice torch gives beside it (to load the file
+    with weights_only=False: never, for a file that failed the checks)."""
+    said = re.search(r"WeightsUnpickler error: (.*?)(?:\.\s|$)", str(e), re.S)  # torch 2.4-2.12
+    parts = [said.group(1)] if said else re.split(r"\n\s*\n", str(e))  # torch 2.13: the advice, then the refusal
+    for part in parts:
+        if part.strip() and not re.search(r"weights_only|documentation|Weights only load failed", part):
+            return part.strip().splitlines()[0][:200]
+    return "a type outside torch's allow-list"

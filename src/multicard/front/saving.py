@@ -1,6 +1,7 @@
-"""Checkpoints of a user's loop: Multicard.save / load / state_dict. A checkpoint holds the user's objects
-(models unwrapped, optimizers, schedulers, set-up loaders, plain values) plus what the Multicard itself
-restores: its save count, the fp16 gradient scaler and every process's random streams.
+"""Checkpoints of a user's loop: Multicard.save / load / state_dict. A checkpoint is one file (plus, under fsdp,
+its shards folder): the user's objects (models unwrapped, optimizers, schedulers, set-up loaders, plain values)
+plus what the Multicard itself restores: its save count, the fp16 gradient scaler and every process's random
+streams (randoms.py brings the other ranks' to rank 0).
 
 The functions take the Multicard (`mc`) as their first argument (not imported here: multicard.py imports
 this module); its methods are one line each.
@@ -17,8 +18,9 @@ from torch import nn
 
 from .. import safefs
 from ..checkpoints import plain as checkpoint
-from ..checkpoints import shards
+from ..checkpoints import shards, sums
 from ..errors import UsageError
+from . import randoms
 
 OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
@@ -44,23 +46,45 @@ def save(mc: Any, path: str | Path, state: dict[str, Any]) -> None:
         return
     mc._saves += 1
     own = {"save": mc._saves, "world": mc.world_size, "rng": checkpoint.rng_state()}
-    if mc.sharded:  # rank 0 makes the save's folder (new, never one planted) and every rank writes into it
-        try:
-            made = ("made", shards.fresh(path, mc._saves).name) if mc.is_main else None
-        except UsageError as e:
-            made = ("failed", str(e))
-        kind, said = mc.broadcast(made)
-        if kind == "failed":
-            raise UsageError(said)
-        state, own["shards"] = shards.save(path, said, state, mc.unwrap)
+    if mc.sharded:
+        state, own["shards"], others = _sharded(mc, path, state, own["rng"])
+    else:
+        others = randoms.handed(mc, safefs.shown(path), own["rng"])
     if mc.is_main:
+        own["ranks"] = others  # rank: its random streams, for every other rank that handed them over
         if mc.scaler is not None:
             own.update(scaler=mc.scaler.state_dict(), skipped=mc.skipped_steps)
         checkpoint.save_state(path, {**state, OWN: own})
         if mc.sharded:
             shards.drop_older(path, own["shards"]["folder"])
-    else:
-        checkpoint.write_atomic({**own, "rank": mc.rank}, checkpoint.rank_file(path, mc.rank))
+
+
+def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple[dict, dict, dict[int, Any]]:
+    """Every rank (a collective): rank 0 makes the save's shards folder (new, never one planted) and every rank
+    writes its shards into that very folder, held open. Returns the rest of `state`, what the checkpoint says of
+    the folder (with the sums of its files), and on rank 0 the other ranks' random streams."""
+    held, failed = None, None
+    try:
+        held = shards.fresh(path, mc._saves) if mc.is_main else None
+    except UsageError as e:
+        failed = str(e)
+    said = mc.broadcast(failed or (held and (held.shown.name, held.made.ino)))
+    if isinstance(said, str):
+        raise UsageError(said)
+    try:
+        held = held or shards.take(path, *said)
+    except UsageError as e:
+        failed = str(e)
+    refused = [f for f in mc.gather(failed) if f]  # every rank writes, or none does
+    if refused:
+        raise UsageError(refused[0])
+    with held:
+        rest, info = shards.save(held, state, mc.unwrap)
+        kept = mc.gather((streams, sums.of_files(held, mc.rank)))
+        if mc.is_main and not shards.still(path, held):
+            raise UsageError(safefs.replaced(f"shards folder {held.shown}"))
+    info["sums"] = {name: crc for _, found in kept for name, crc in found.items()}
+    return rest, info, {r: got for r, (got, _) in enumerate(kept) if r}
 
 
 def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -80,7 +104,7 @@ def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict
                          f"resume it with the strategy that wrote it (its model alone loads under fsdp too)")
     elif info is not None:
         models, optimizers = shards.split(state)
-        shards.load(path, info, state, mc.unwrap)
+        shards.load(path, info, state, mc.unwrap, lambda where: _sound(mc, path, where, info.get("sums")))
         rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
         raw = checkpoint.load_state(path, rest, raw=head)
         state.update(rest)  # the plain values read
@@ -90,6 +114,14 @@ def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict
     if own is not None:
         _restore(mc, path, own)
     return raw
+
+
+def _sound(mc: Any, path: Path, where: Path, recorded: Any) -> None:
+    """Every rank checks its share of the shard files against the sums the save recorded; any damage is one
+    line on every rank."""
+    damaged = [found for found in mc.gather(sums.files_damage(where, recorded, mc.rank, mc.world_size)) if found]
+    if damaged:
+        raise UsageError(sums.said(f"checkpoint {path}", damaged[0]))
 
 
 def _load_module(mc: Any, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -114,7 +146,17 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
         return
     if mc.rank == 0:
         checkpoint.set_rng_state(own["rng"])
-        return
+    elif isinstance(own.get("ranks"), dict):
+        if mc.rank in own["ranks"]:
+            checkpoint.set_rng_state(own["ranks"][mc.rank])
+        else:
+            print(f"multicard: rank {mc.rank}: {path} holds no random streams of this rank (rank 0 saved without "
+                  f"them): they start afresh", file=sys.stderr, flush=True)
+    else:  # written before one file held every rank's streams: each rank's beside it
+        _restore_beside(mc, path, own)
+
+
+def _restore_beside(mc: Any, path: Path, own: dict[str, Any]) -> None:
     mine = checkpoint.rank_file(path, mc.rank)
     part = checkpoint.read_small(mine) if safefs.kind(mine) == "file" else None  # never through a link
     if part is None or part.get("save") != own["save"]:
@@ -122,6 +164,7 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
               f"streams start afresh", file=sys.stderr, flush=True)
         return
     checkpoint.set_rng_state(part["rng"])
+
 
 class Checkpoints:
     """Methods of Multicard: its checkpoints (uses its _start() and what the functions above read)."""
@@ -136,11 +179,11 @@ class Checkpoints:
         """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
         resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
         this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
-        random). Rank 0 writes `path`, each other rank its random streams beside it (state.rank1.pt, a few
-        KB), each file atomically. Call it on every rank after an optimizer step; no rank waits for another,
-        so a save under `if mc.is_main:` works too (the other ranks' streams then start afresh on load).
-        Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into
-        a folder beside `path`, so there every rank must call it."""
+        random). Rank 0 writes `path`, one file, atomically; the other ranks hand it their random streams (a
+        few KB) and never wait. Call it on every rank after an optimizer step; a save under `if mc.is_main:`
+        works too (its first save waits 3 s for the others, then says they did not come; their streams start
+        afresh on load). Under fsdp every rank writes its shards of the model and optimizers
+        (torch.distributed.checkpoint) into a folder beside `path`, so there every rank must call it."""
         self._start()
         save(self, path, state)
 

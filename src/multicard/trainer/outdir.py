@@ -41,12 +41,12 @@ class Output:
         if path.resolve().parts[:2] in (("/", "proc"), ("/", "sys"), ("/", "dev")):
             raise UsageError(f"--out {out}: is inside {path.resolve().parts[1]}/, no place for files; name a folder")
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(safefs.FOLDER_MODE, parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
         if not os.access(path, os.W_OK | os.X_OK):
             raise UsageError(f"--out {out}: this user cannot write into that folder")
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -54,6 +54,7 @@ class Output:
             raise UsageError(f"--out {out}: another run is writing there; wait for it to end, or choose another "
                              f"--out") from None
         try:
+            safefs.guard(os.fstat(self.fd), f"--out {out}", path)
             self.check()
         except BaseException:
             self.close()
@@ -75,6 +76,8 @@ class Output:
         if checkpoints.is_symlink() or (checkpoints.exists() and not checkpoints.is_dir()):
             raise UsageError(f"--out {self.path}: checkpoints there is a link or a file; multicard writes its "
                              f"checkpoints only into a folder of its own: move it elsewhere (nothing was changed)")
+        if checkpoints.exists():
+            safefs.guard(os.lstat(checkpoints), f"--out {self.path}: checkpoints", checkpoints)
 
     def runs(self) -> list[Path]:
         """Run folders multicard made here (its marker inside; never through a link)."""
@@ -104,26 +107,40 @@ class Output:
                 say(f"left alone: {part} (not a leftover multicard can prove it made)")
         self.cleaned = True
 
-    def new_run(self) -> Path:
-        """A fresh folder for an attempt's files; the first one clears the killed runs' leftovers first."""
+    def new_run(self) -> safefs.Made:
+        """A fresh folder for an attempt's files, made through --out held open and marked; the first one clears
+        the killed runs' leftovers first. The processes find it again with safefs.Folder.again: only that very
+        folder, never a link or another folder put under its name."""
         if not self.cleaned:
             self.clean()
-        run = self.path / f".run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        name = f".run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+        held = safefs.Folder(os.dup(self.fd), self.path)
         try:
-            run.mkdir()
-            (run / MARK).write_text("a run folder of multicard: removed once another run is shown\n")
+            with held.make(name, f"--out {self.path}: {name}") as run:
+                run.write(MARK, lambda f: f.write(b"a run folder of multicard: removed once another run is shown\n"))
+                return run.made
         except OSError as e:
             raise UsageError(f"--out {self.path}: cannot write there ({e.strerror}); free space or choose another "
                              f"--out") from None
-        return run
+        finally:
+            held.close()
 
-    def discard(self, run: Path) -> None:
-        remove(run)
+    def discard(self, run: safefs.Made) -> None:
+        remove(run.path)
 
-    def publish(self, run: Path) -> None:
+    def publish(self, made: safefs.Made) -> None:
         """Make `run` the one --out shows. Every check and every link first (a link into .current, for a first
         run dangling until the switch); then one rename switches .current to `run`, and only then what the
-        older run had and this one lacks (a tensorboard link, now dangling) and the older runs go."""
+        older run had and this one lacks (a tensorboard link, now dangling) and the older runs go. A run folder
+        that is no longer the one made (renamed, a link put in its place) is never shown."""
+        run = made.path
+        try:
+            info = os.stat(run.name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != (made.dev, made.ino):
+            raise UsageError(f"run folder {run}: was replaced while the run wrote into it (by a user who can write "
+                             f"into --out?); --out {self.path} left as it was")
         missing = [name for name in FILES if not (run / name).is_file()]
         if missing:
             raise UsageError(f"run folder {run}: has no {missing[0]}; --out {self.path} left as it was")

@@ -2,9 +2,10 @@
 head checked, and the recipe a resume takes from it. Nothing here writes (saves.py does; start.py decides).
 
 Each checkpoint is a folder, step-<optimizer steps>, holding state.pt (rank 0: model, optimizer, scheduler,
-scaler, the place in the data, the epochs so far, rank 0's random streams, the run's id) and state.rank<r>.pt
-(rank r's random streams). It is written as step-N.part and renamed only once every rank has written its part: a
-kill at any instant leaves the checkpoints before it whole, and only whole ones are ever resumed from.
+scaler, the place in the data, the epochs so far, every rank's random streams, the run's id; under fsdp every
+rank's shards in a folder beside it; older versions kept rank r's streams in state.rank<r>.pt). It is written as
+step-N.part and renamed only once every rank has written its part: a kill at any instant leaves the checkpoints
+before it whole, and only whole ones are ever resumed from; a damaged one is passed over by --resume auto.
 
 Checkpoints belong to a run. checkpoints/run.json names the run that owns the folder (the last one started
 there) and the checkpoint it started from; each checkpoint carries its run's id (a .multicard file, and "run" in
@@ -15,6 +16,7 @@ deleted; --resume takes that folder) and so never prunes, resumes or restarts fr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,7 +27,9 @@ from pathlib import Path
 import torch
 
 from .. import safefs
+from ..checkpoints import shards, sums
 from ..errors import UsageError
+from ..front.saving import OWN
 from .config import TrainConfig
 from .outdir import MARK
 
@@ -57,45 +61,86 @@ def run_of(checkpoint: Path) -> str | None:
 
 def owner(out: str | Path) -> dict | None:
     """checkpoints/run.json: {"run": the id of the run these checkpoints belong to, "from": the checkpoint it
-    started from or None}; None where no run has claimed the folder (a new --out, or an older version's). A
-    run.json that is not a regular file (a FIFO, a folder, a link) or too large to be multicard's is one line."""
+    started from or None}; None where no run has claimed the folder (a new --out, or an older version's) or
+    where run.json does not say (ownerless() says why). A run.json that is not a regular file (a FIFO, a
+    folder, a link) or too large to be multicard's is one line."""
+    return read_owner(out)[0]
+
+
+def ownerless(out: str | Path) -> str | None:
+    """What is wrong with a run.json there that names no run (None: there is none, or it names one)."""
+    return read_owner(out)[1]
+
+
+def read_owner(out: str | Path) -> tuple[dict | None, str | None]:
     path = Path(out) / FOLDER / OWNER
     if safefs.kind(path) is None:
-        return None
+        return None, None
+    raw = safefs.read_bytes(path, safefs.SMALL, f"--out {out}: {FOLDER}/{OWNER}")
     try:
-        found = json.loads(safefs.read_bytes(path, safefs.SMALL, f"--out {out}: {FOLDER}/{OWNER}"))
+        found = json.loads(raw)
     except ValueError:
-        return None
-    ok = isinstance(found, dict) and isinstance(found.get("run"), str) and RUN_ID.fullmatch(found["run"])
-    return found if ok else None
+        return None, "is empty" if not raw.strip() else "is not JSON"
+    if isinstance(found, dict) and isinstance(found.get("run"), str) and RUN_ID.fullmatch(found["run"]):
+        return found, None
+    return None, "names no run as multicard writes it"
 
 
-def newest(out: str | Path, outside: bool = True) -> Path | None:
-    """What --resume auto goes on from: the newest checkpoint of the run that owns --out/checkpoints, or, where
-    it wrote none yet, the checkpoint that run started from (None: it started from the beginning). In a folder
-    no run owns (an older version's), its newest checkpoint.
+def newest(out: str | Path, outside: bool = True, skipped: list[str] | None = None) -> Path | None:
+    """What --resume auto goes on from: the newest sound checkpoint of the run that owns --out/checkpoints, or,
+    where it wrote none (or only damaged ones), the checkpoint that run started from (None: it started from the
+    beginning). In a folder no run owns (an older version's), its newest sound checkpoint. A damaged one is
+    passed over, and said in `skipped`; where every one is damaged, that is one line.
 
     The checkpoint run.json says the run started from is looked for among the checkpoints found in --out
     (never a path read from a file and opened as it is): one elsewhere is one line that names it, to be given as
     --resume by the user (`outside`=False: None instead)."""
     own = owner(out)
-    if own is None:
-        found = whole(out)
-        return found[-1] / "state.pt" if found else None
-    found = whole(out, own["run"])
+    found = [c / "state.pt" for c in reversed(whole(out) if own is None else whole(out, own["run"]))]
+    started = own.get("from") if own is not None else None
+    if isinstance(started, str):
+        start = next((c / "state.pt" for c in inside(out) if same(c / "state.pt", Path(started))), None)
+        if start is None and not found:
+            if not outside:
+                return None
+            raise UsageError(f"--resume auto: the run in {Path(out) / FOLDER} started from {started[:300]!r}, "
+                             f"which is not a checkpoint in --out, and wrote none of its own: to go on from there, "
+                             f"give it as --resume; to start over, leave --resume out")
+        found += [start] if start is not None else []
+    damaged = []
+    for checkpoint in found:
+        why = damage(checkpoint)
+        if why is None:
+            (skipped if skipped is not None else []).extend(damaged)
+            return checkpoint
+        damaged.append(f"{checkpoint.parent.name} is damaged ({why})")
+    if damaged:
+        raise UsageError(f"--resume auto: every checkpoint it could go on from in {Path(out) / FOLDER} is damaged "
+                         f"({damaged[0]}); give an earlier run's checkpoint as --resume, or start over without it")
+    return None
+
+
+def damage(path: Path) -> str | None:
+    """What of checkpoint `path` (a state.pt) is not as its save wrote it: the file, or under fsdp a file of its
+    shards folder (None: nothing; one that cannot be read at all is head()'s to say). Each checkpoint's files are
+    read once per process, however often it is asked of."""
+    info = os.stat(path)
+    return _damage(path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _damage(path: Path, *identity: int) -> str | None:
+    found = sums.damage(path)
     if found:
-        return found[-1] / "state.pt"
-    started = own.get("from")
-    if not isinstance(started, str):
+        return f"its state.pt: {found}"
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        held = raw[OWN]["shards"]
+        where = shards.located(path, held)
+    except Exception:  # no shards, or a file head() refuses
         return None
-    for checkpoint in inside(out):
-        if same(checkpoint / "state.pt", Path(started)):
-            return checkpoint / "state.pt"
-    if not outside:
-        return None
-    raise UsageError(f"--resume auto: the run in {Path(out) / FOLDER} started from {started[:300]!r}, which is "
-                     f"not a checkpoint in --out, and wrote none of its own: to go on from there, give it as "
-                     f"--resume; to start over, leave --resume out")
+    found = sums.files_damage(where, held.get("sums"))
+    return f"its shards: {found}" if found else None
 
 
 def inside(out: str | Path) -> list[Path]:
@@ -110,13 +155,14 @@ def inside(out: str | Path) -> list[Path]:
 def same(a: Path | None, b: Path | None) -> bool:
     return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
 
-def resolve(spec: str, out: str | Path, outside: bool = True) -> Path | None:
+def resolve(spec: str, out: str | Path, outside: bool = True, skipped: list[str] | None = None) -> Path | None:
     """--resume: "" (none), auto (what newest() says of --out, or none), or a checkpoint's folder or state.pt
-    file, or an --out, its checkpoints folder or a run-<id> folder in it (its newest, as auto)."""
+    file, or an --out, its checkpoints folder or a run-<id> folder in it (its newest, as auto). The damaged
+    checkpoints auto passed over are said in `skipped`."""
     if not spec:
         return None
     if spec == "auto":
-        return newest(out, outside)
+        return newest(out, outside, skipped)
     path = Path(spec)
     if path.is_dir():
         if (path / "state.pt").is_file():
@@ -133,7 +179,10 @@ def resolve(spec: str, out: str | Path, outside: bool = True) -> Path | None:
 
 def head(path: Path) -> dict:
     """A checkpoint of multicard train, read lazily (its tensors stay on disk) and its place checked; one that
-    is not, or whose place was edited into nonsense, is one line."""
+    is not, whose bytes are not those its save wrote, or whose place was edited into nonsense, is one line."""
+    if wrong := damage(path):
+        raise UsageError(f"--resume {path}: damaged: {wrong}, so its bytes are not those its save wrote; resume "
+                         f"from another checkpoint")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:

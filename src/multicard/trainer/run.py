@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .. import safefs
 from ..checkpoints import plain as checkpoint
 from ..data.loaders import on_card
 from ..errors import UsageError
@@ -75,7 +76,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     batch_given = config.batch_size is not None
     chosen = batch_given or config.accumulate > 1  # the batch given, not the auto one
     # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)
-    start = decide(config, given, mc.world_size)
+    start = decide(config, given, mc.world_size, model)
     config = start.config
     # a bad global batch fails here, before any process starts
     mc.local_batch(config.batch_size, "--batch-size", config.accumulate)
@@ -137,12 +138,14 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
 
 
 def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Dataset | None, criterion: Callable,
-           metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch"), run: Path | None = None,
+           metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch"), run: safefs.Made | None = None,
            resume: Path | None = None, restarts: int = 0) -> dict:
     """The body of every training process: the recipe (the seeds' Adam and StepLR by default) on the user's
     model and data. Rank 0 writes the run's files into `run`, its folder; `resume` names a checkpoint to go on
     from."""
     begin = time.perf_counter()
+    folder = safefs.Folder.again(run, f"run folder {run.path}") if run is not None and mc.is_main else None
+    run = folder.via if folder is not None else None  # written through the folder made, never again by its name
     given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: dropout differs
     cuda = mc.device.type == "cuda"

@@ -17,7 +17,7 @@ from ..errors import UsageError
 from ..front.multicard import Multicard
 from .outdir import MARK, drop_half_marked
 from .report import say
-from .resume import FOLDER, OWNER, newest, owner, run_of, same, whole
+from .resume import FOLDER, OWNER, newest, owner, read_owner, run_of, same, whole
 
 
 def new_id() -> str:
@@ -40,8 +40,11 @@ def claim(out: str | Path, resumed: Path | None) -> str:
 
 
 def claimed(out: str | Path, resumed: Path | None) -> str:
-    own = owner(out)
+    own, wrong = read_owner(out)
     folder = Path(out) / FOLDER
+    if wrong:
+        say(f"{folder / OWNER} {wrong}: ignored (it names no run that owns the checkpoints there); this run claims "
+            f"them anew")
     keep = [resumed.parent] if resumed is not None else []
     if own is not None and resumed is not None and same(resumed, newest(out, outside=False)):
         run = own["run"]
@@ -92,47 +95,66 @@ def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
 
 
 def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) -> None:
-    """Every rank: its part of checkpoint step-<steps>; then rank 0 makes it whole and drops this run's oldest
-    beyond `keep` (0: none dropped)."""
-    final = Path(out) / FOLDER / f"step-{steps:08d}"
+    """Every rank: its part of checkpoint step-<steps> (rank 0 the file, every rank its shards under fsdp); then
+    rank 0 makes it whole and drops this run's oldest beyond `keep` (0: none dropped). Rank 0 makes step-N.part
+    and writes into it through a descriptor held from then on: a folder renamed and replaced meanwhile (by a user
+    who can write into checkpoints/) is never written through, and is not renamed into place."""
+    folder = Path(out) / FOLDER
+    final = folder / f"step-{steps:08d}"
     part = final.with_name(final.name + ".part")
-    run = None
+    held = checkpoints = None
     if mc.is_main:
-        safefs.make_folder(part.parent, f"--out {out}: {FOLDER}")  # first: claim() records the run there
+        safefs.make_folder(folder, f"--out {out}: {FOLDER}")  # first: claim() records the run there
         run = (owner(out) or {}).get("run") or claim(out, None)
-        fresh(part, run)
+        checkpoints = safefs.Folder.open(folder, f"--out {out}: {FOLDER}")
+        safefs.guard(os.fstat(checkpoints.fd), f"--out {out}: {FOLDER}", folder)
+        held = fresh(checkpoints, part, run)
         state = {**state, "run": run}
-    mc.barrier()  # the other ranks write into the folder rank 0 made, never into one planted before
-    mc.save(part / "state.pt", state)
-    mc.barrier()  # every rank's part is on disk
-    if mc.is_main:
-        if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
-            drop(final)
-        elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
-            aside(final, run)
-        os.replace(part, final)
-        for old in whole(out, run)[:-keep] if keep else []:
-            drop(old)
+    mc.barrier()  # under fsdp the other ranks write into the folder rank 0 made (its shards folder, checked)
+    try:
+        mc.save(held.via / "state.pt" if held else part / "state.pt", state)
+        mc.barrier()  # every rank's part is on disk
+        if mc.is_main:
+            whole_now(checkpoints, held, part, final, run)
+            for old in whole(out, run)[:-keep] if keep else []:
+                drop(old)
+    finally:
+        for opened in (held, checkpoints):
+            if opened is not None:
+                opened.close()
 
 
-def fresh(part: Path, run: str) -> None:
-    """Rank 0: the folder step-N.part, made new and marked as `run`'s. One this run left (an earlier attempt) is
-    made anew; a link, a file, a FIFO or another's folder under that name is refused in one line, never written
-    through or into."""
+def whole_now(checkpoints: safefs.Folder, held: safefs.Folder, part: Path, final: Path, run: str) -> None:
+    """Rank 0: step-N.part, still the folder written into, renamed to step-N."""
+    if not checkpoints.holds(part.name, held):
+        raise UsageError(f"{part}: was replaced while the checkpoint was written into it (by a user who can write "
+                         f"into {part.parent}?); the checkpoint is not in place: run again with --resume auto")
+    if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
+        drop(final)
+    elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
+        aside(final, run)
+    os.replace(part.name, final.name, src_dir_fd=checkpoints.fd, dst_dir_fd=checkpoints.fd)
+
+
+def fresh(checkpoints: safefs.Folder, part: Path, run: str) -> safefs.Folder:
+    """Rank 0: the folder step-N.part, made new in `checkpoints`, marked as `run`'s, and held open. One this run
+    left (an earlier attempt) is made anew; a link, a file, a FIFO or another's folder under that name is refused
+    in one line, never written through or into."""
     found = safefs.kind(part)
     if found == "folder" and run_of(part) == run:
         shutil.rmtree(part)
     elif found is not None and not drop_half_marked(part):  # anything but one a kill cut short before its marker
         raise UsageError(f"{part}: a {found} multicard did not make is in the way of this checkpoint; move it "
                          f"elsewhere and run again (--resume auto goes on)")
+    held = None
     try:
-        part.mkdir()
-        fd, tmp = safefs.create(part, MARK)
-        with os.fdopen(fd, "w") as f:
-            f.write(run + "\n")
-        os.replace(tmp, part / MARK)  # first: a kill from here on leaves a folder provably ours
+        held = checkpoints.make(part.name, str(part))
+        held.write(MARK, lambda f: f.write((run + "\n").encode()))  # first: a kill from here on leaves it ours
     except OSError as e:
+        if held is not None:
+            held.close()
         raise UsageError(f"cannot write {part} ({e.strerror}); choose another --out") from None
+    return held
 
 
 def drop(checkpoint: Path) -> None:

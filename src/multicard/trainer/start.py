@@ -8,11 +8,17 @@ one). resume.py only reads checkpoints; outdir.py only holds and switches --out'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import nn
+
+from ..checkpoints import plain
+from ..errors import UsageError
+from ..front.saving import OWN
 from .config import TrainConfig
-from .resume import FOLDER, describe, inherit, resolve
+from .resume import FOLDER, describe, head, inherit, resolve
 
 
 @dataclass(frozen=True)
@@ -22,32 +28,56 @@ class Start:
     line: str  # what rank 0 says before the processes start ("" where there is nothing to say)
 
 
-def decide(config: TrainConfig, given: set[str] | None = None, world: int | None = None) -> Start:
+def decide(config: TrainConfig, given: set[str] | None = None, world: int | None = None,
+           model: nn.Module | None = None) -> Start:
     """The run's start for `config` (its resume and out), where `given` names the fields the user set (the rest
     of the recipe comes from a resumed checkpoint). With `world` (the job's processes) the auto batch and rate are
-    settled and the checkpoint is checked against them (a global batch it cannot go on with is one line); without,
-    the recipe alone (what the CLI needs to build the model and data)."""
-    checkpoint = resolve(config.resume, config.out)
+    settled and the checkpoint is checked against them (a global batch it cannot go on with is one line), and
+    against the strategy and `model`; without, the recipe alone (what the CLI needs to build the model and
+    data)."""
+    skipped: list[str] = []  # newer checkpoints --resume auto passed over, damaged
+    checkpoint = resolve(config.resume, config.out, skipped=skipped)
     if checkpoint is not None:
         config = inherit(checkpoint, config, given)
     if world is None:
         return Start(config, checkpoint, "")
-    return begun(config.settled(world), checkpoint, config.resume == "auto")
+    if checkpoint is not None:
+        fitting(checkpoint, config, model)
+    return begun(config.settled(world), checkpoint, config.resume == "auto", skipped)
 
 
 def restart(start: Start) -> Start:
     """After a failed attempt: the same run, as decided, from its newest checkpoint, or where it wrote none, from
     where it started (known here, not read back from run.json)."""
-    return begun(start.config, resolve("auto", start.config.out, outside=False) or start.checkpoint, True)
+    skipped: list[str] = []
+    found = resolve("auto", start.config.out, outside=False, skipped=skipped)
+    return begun(start.config, found or start.checkpoint, True, skipped)
 
 
-def begun(config: TrainConfig, checkpoint: Path | None, auto: bool) -> Start:
+def begun(config: TrainConfig, checkpoint: Path | None, auto: bool, skipped: Sequence[str] = ()) -> Start:
     """The Start of a settled config from `checkpoint`, checked against it (a global batch the checkpoint cannot
-    go on with is one line), and what rank 0 says of it."""
+    go on with is one line), and what rank 0 says of it (and of the newer ones passed over, damaged)."""
     if checkpoint is not None:
         line = f"resuming from {checkpoint} ({describe(checkpoint, config)})"
+        line += f"; not from the newer {', nor '.join(skipped)}" if skipped else ""
     elif auto:
         line = f"no checkpoint in {Path(config.out) / FOLDER}: starting from the beginning"
     else:
         line = ""
     return Start(config, checkpoint, line)
+
+
+def fitting(checkpoint: Path, config: TrainConfig, model: nn.Module | None) -> None:
+    """What the processes would refuse on loading `checkpoint`, refused before the run claims anything in --out
+    (a refused resume changes nothing there): shards under a strategy other than fsdp, a whole optimizer state
+    under fsdp, a model whose names or shapes differ."""
+    raw = head(checkpoint)
+    held = raw[OWN].get("shards") if isinstance(raw.get(OWN), dict) else None
+    if held is not None and config.strategy != "fsdp":
+        raise UsageError(f"--resume {checkpoint}: written under fsdp, its model and optimizer are in shards: "
+                         f"resume it with --strategy fsdp")
+    if held is None and config.strategy == "fsdp":
+        raise UsageError(f"--resume {checkpoint}: written without fsdp, its optimizer's state is whole, not in "
+                         f"shards: resume it with the strategy that wrote it")
+    if model is not None and held is None and (wrong := plain.misfit(model, raw.get("model"))):
+        raise UsageError(f"--resume {checkpoint}: its model {wrong}")

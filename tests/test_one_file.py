@@ -1,0 +1,67 @@
+"""Issue 34, item 2: one checkpoint file per mc.save. Every rank's random streams go into the file rank 0 writes
+(no ckpt.rank1.pt beside it) and come back to each rank on load; a save under `if mc.is_main:` still works and
+says what it lacks; checkpoints written with rank files still load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import multicard
+from multicard.checkpoints import plain as checkpoint
+from test_hostile5 import as_written_before
+
+
+def streams_back(mc, path: Path, saved: torch.Tensor) -> float:
+    torch.manual_seed(99)  # the streams moved on
+    mc.load(path, {"model": nn.Linear(2, 2)})
+    return float(torch.equal(torch.get_rng_state(), saved))
+
+
+def every_rank_job(mc, folder: str) -> dict:
+    folder = Path(folder)
+    model = mc.setup(nn.Linear(2, 2))
+    for save in (1, 2):  # the second save waits for the others as long as the job's timeout
+        torch.manual_seed(10 * save + mc.rank)  # each rank's own streams
+        saved, streams = torch.get_rng_state(), checkpoint.rng_state()
+        mc.save(folder / "ckpt.pt", {"model": model})
+    mc.barrier()
+    files = sorted(p.name for p in folder.iterdir())
+    back = streams_back(mc, folder / "ckpt.pt", saved)
+    mc.barrier()
+    as_written_before(mc, folder / "ckpt.pt", streams)  # the same save, as an older version wrote it
+    mc.barrier()
+    before = streams_back(mc, folder / "ckpt.pt", saved)
+    return {"files": files, "back": mc.gather(back), "before": mc.gather(before)}
+
+
+def test_every_ranks_streams_go_into_the_one_file_and_come_back(tmp_path, capfd):
+    found = multicard.launch(every_rank_job, str(tmp_path), strategy="ddp", devices="cpu:2")
+    assert found["files"] == ["ckpt.pt"]
+    assert found["back"] == [1.0, 1.0]
+    assert found["before"] == [1.0, 1.0]  # a checkpoint with ckpt.rank1.pt beside it loads as before
+    assert "start afresh" not in capfd.readouterr().err
+
+
+def main_only_job(mc, folder: str) -> list[float]:
+    folder = Path(folder)
+    model = mc.setup(nn.Linear(2, 2))
+    torch.manual_seed(10 + mc.rank)
+    saved = torch.get_rng_state()
+    for _ in range(2):
+        if mc.is_main:  # the habit that deadlocks Lightning Fabric's save
+            mc.save(folder / "ckpt.pt", {"model": model})
+        mc.barrier()
+    return mc.gather(streams_back(mc, folder / "ckpt.pt", saved))
+
+
+def test_a_save_by_rank_0_alone_keeps_its_streams_and_says_the_others_start_afresh(tmp_path, capfd):
+    assert multicard.launch(main_only_job, str(tmp_path), strategy="ddp", devices="cpu:2") == [1.0, 0.0]
+    err = capfd.readouterr().err
+    assert err.count("ckpt.pt: the other ranks did not save within 3 s (a save under `if mc.is_main:`?): it keeps "
+                     "rank 0's random streams; on load the others' start afresh") == 1  # said once, waited once
+    assert f"rank 1: {tmp_path / 'ckpt.pt'} holds no random streams of this rank (rank 0 saved without them): " \
+           f"they start afresh" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
