@@ -325,6 +325,37 @@ def test_a_resumed_loader_skipped_again_by_the_script_is_said_once_on_rank_0(ran
         assert r["skipped_again"].count(line) == (r is ranks[0]), r["skipped_again"]
 
 
+def fsdp_ema(mc: Multicard) -> tuple[str, torch.Tensor]:
+    """7 under fsdp: a copy of shards is one line; the EMA built before setup and set up too is the way."""
+    plain = Buffered()
+    averaged = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    model, averaged = mc.setup(plain), mc.setup(averaged)
+    try:
+        copy.deepcopy(model)
+    except UsageError as e:
+        refused = str(e)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in mc.setup_dataloader(DataLoader(data(24), 6)):
+        sgd(model, optimizer, [(x, y)])
+        averaged.update_parameters(model)
+    with torch.no_grad():
+        return refused, averaged(torch.ones(2, 4))  # every rank
+
+
+@pytest.mark.slow  # two fsdp processes: ~15 s on 2 loaded cores
+def test_an_ema_under_fsdp_is_set_up_with_the_model_and_a_copy_of_shards_is_one_line():
+    refused, out = multicard.launch(fsdp_ema, strategy="fsdp", devices="cpu:2", timeout=60)
+    assert refused.startswith("copy.deepcopy / AveragedModel of a model set up under fsdp: its parameters are this "
+                              "process's shards")
+    model = Buffered()
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in DataLoader(data(24), 6):
+        sgd(model, optimizer, [(x, y)])
+        averaged.update_parameters(model)
+    torch.testing.assert_close(out, averaged(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
+
+
 # 5. a script that shapes by its batch argument in its test function (pytorch/examples' vae), run as a script
 VIEW_SCRIPT = """
 import torch, multicard

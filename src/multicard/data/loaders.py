@@ -274,7 +274,8 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
                             step=local * world * accumulate, batch=local * world)
     else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
         order = ShardSampler(len(dataset), rank, world, draws, local)
-    watch.dealt(batch, local)
+    if global_batch:  # a shape by the DataLoader's batch_size (the global batch) is told in one line
+        watch.dealt(batch, local)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate and \
         seed_per_sample is False
     if device_data in (None, "auto"):

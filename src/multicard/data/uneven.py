@@ -10,9 +10,10 @@ and 0 for a process that holds only a padded repeat (a last batch with fewer row
 The weight is recorded where the split is made (mc.local, the set-up loader, a loader read whole), with this
 process's rows of the split, and applied by the set-up model to the gradient that flows back into its outputs,
 so `loss.backward()` and `mc.backward(loss)` alike get it, ddp and fsdp alike. It belongs to the forwards on
-that split: every forward whose inputs hold those rows (a GAN's D(real), G(noise), D(fake)) until the next split
-or the end of the loader's pass; a forward on other rows ends it (the script went on to batches of its own), and
-a forward under no_grad takes none. Where the batches come from a pipeline of the user's own, multicard cannot
+that split: every forward whose inputs hold those rows (a GAN's D(real), G(noise), D(fake); a teacher's no_grad
+forward leaves it to the student's) until the next split (each batch of a set-up loader is one) or the end of
+the loader's pass; a forward on other rows ends it (the script went on to batches of its own), and a forward
+under no_grad takes none. Where the batches come from a pipeline of the user's own, multicard cannot
 know the global batch: nothing is recorded.
 
 A loss summed over the rows (mc.backward(loss, reduction="sum")) wants no weight by rows: one process's gradient

@@ -72,6 +72,10 @@ class Prepared(nn.Module):
         """copy.deepcopy(model), and so AveragedModel(model) (an EMA): a copy of your model, outside every wrapper.
         A copy of ddp's wrapper would wait in each forward for the other processes (an EMA evaluated on rank 0
         alone would hang); a plain copy runs anywhere, and its parameters follow yours in the same order."""
+        if any(type(p).__name__ == "DTensor" for p in self.module.parameters()):  # fsdp's shards: torch refuses
+            raise UsageError("copy.deepcopy / AveragedModel of a model set up under fsdp: its parameters are this "
+                             "process's shards, which torch cannot copy; build the EMA before setup and set it up "
+                             "too (ema = mc.setup(AveragedModel(model)), evaluated on every rank), or use ddp")
         return copy.deepcopy(self.module, memo)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
