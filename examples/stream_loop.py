@@ -1,7 +1,8 @@
 """A loop over an IterableDataset (records streamed in order, no index to deal out), on N processes.
 
-Every process reads the stream whole and keeps its contiguous part of each global batch: N processes take the
-steps one process takes. --plain runs the one-card original (the lines marked `# multicard` left out).
+Every process reads the stream whole and keeps its part of each global batch (rows rank, rank + N, ...): N
+processes take the steps one process takes. --plain runs the one-card original (the lines marked `# multicard`
+left out).
 
 Run:  .venv/bin/python examples/stream_loop.py                          (one process)
       .venv/bin/python examples/stream_loop.py --plain                  (the one-card original: the same weights)

@@ -2,9 +2,9 @@
 (batchify / get_batch, truncated backpropagation through time), a small LSTM, on N processes.
 
 batchify lays the corpus out as columns, one stream per column; under multicard each process keeps its
-contiguous columns (mc.local(..., dim=1)), so N processes together take the step one process takes. The corpus
-is synthetic (a seeded token stream with structure to learn), so the script runs anywhere. --plain runs the
-one-card original (the lines marked `# multicard` left out).
+columns (mc.local(..., dim=1): columns rank, rank + N, ...), so N processes together take the step one
+process takes. The corpus is synthetic (a seeded token stream with structure to learn), so the script runs
+anywhere. --plain runs the one-card original (the lines marked `# multicard` left out).
 
 Run:  .venv/bin/python examples/word_language_model.py                          (one process)
       .venv/bin/python examples/word_language_model.py --plain                  (the one-card original)

@@ -210,8 +210,9 @@ def test_lbfgs_with_its_closure_takes_one_process_steps(ranks, rows):
     assert len({r[f"lbfgs{rows}"][1] for r in ranks}) == 1  # every process called the closure alike: no hang
     for r in ranks:
         weights, _ = r[f"lbfgs{rows}"]
-        for name, value in weights.items():
-            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5)
+        for name, value in weights.items():  # 45 closure calls on 5 or 6 rows for 5 parameters (ill-conditioned)
+            # amplify where a row sits in the sums (the cut) to ~4e-4; a process on its own path would be O(1)
+            torch.testing.assert_close(value, expected[name], rtol=1e-3, atol=1e-5)
 
 
 def test_draws_inside_getitem_are_one_process_draws(ranks):

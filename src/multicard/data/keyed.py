@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,20 @@ from ..errors import UsageError
 from .order import Agree
 
 
+def per_sample(value: Any) -> bool | int:
+    """setup_dataloader's seed_per_sample as given: True, False, or a seed >= 0 (any integer: numpy's too; a bool
+    other than Python's own is refused, as 1 or 0 would be read where a flag was meant)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        seed = operator.index(value)
+    except TypeError:
+        seed = -1
+    if seed < 0 or "bool" in f"{type(value).__name__} {getattr(value, 'dtype', '')}":
+        raise UsageError(f"seed_per_sample={value!r}: give True (torch's initial seed) or a seed >= 0")
+    return seed
+
+
 def the_seed(seed_per_sample: bool | int, agree: Agree | None) -> int:
     """The seed the draws are keyed by: the one given, or (True) torch's initial seed, the one the script set
     with torch.manual_seed (rank 0's, where processes were seeded apart or not at all)."""
@@ -33,9 +48,7 @@ def the_seed(seed_per_sample: bool | int, agree: Agree | None) -> int:
         if agree is not None:
             seed = int(agree(torch.tensor([seed], dtype=torch.int64), "broadcast")[0])
         return seed
-    if not isinstance(seed_per_sample, int) or seed_per_sample < 0:
-        raise UsageError(f"seed_per_sample={seed_per_sample!r}: give True (torch's initial seed) or a seed >= 0")
-    return seed_per_sample
+    return per_sample(seed_per_sample)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

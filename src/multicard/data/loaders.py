@@ -16,7 +16,6 @@ from torch.utils.data import (
     DataLoader,
     RandomSampler,
     Sampler,
-    SequentialSampler,
     TensorDataset,
     default_collate,
 )
@@ -26,10 +25,11 @@ from ..errors import UsageError
 from ..jobs import lifeline
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
-from . import uneven
+from . import uneven, watch
 from .images import ImageData
-from .keyed import Keyed, Seeded, the_seed
-from .order import Agree, GlobalOrder, Permutation, ShardSampler, base_seed
+from .keyed import Keyed, Seeded, per_sample, seeded, the_seed
+from .order import Agree, Chunks, GlobalOrder, Permutation, ShardSampler, base_seed
+from .parts import empty
 from .pipelines import Split, read_whole
 
 # what a DataLoader was built with, besides its dataset, batch and sampler: carried over unchanged
@@ -55,10 +55,12 @@ class InMemory:
         return -(-len(self.sampler) // self.batch_size)
 
     def __iter__(self):
-        order = self.sampler.order()
-        # nothing left of a resumed epoch: no batch (split would still give one empty chunk)
-        for chunk in order.to(self.device).split(self.batch_size) if len(order) else ():
-            yield self.dataset[chunk]
+        order = self.sampler.order().to(self.device)
+        sizes = self.sampler.sizes if isinstance(self.sampler, ShardSampler) else self.batch_size
+        # nothing left of a resumed epoch: no batch (split would still give one empty chunk); nor empty ones
+        for chunk in order.split(sizes) if len(order) else ():
+            if len(chunk):
+                yield self.dataset[chunk]
         self.sampler.finish()
 
 
@@ -85,14 +87,24 @@ class Sharded:
 
     @property
     def sampler(self) -> Sampler:
-        sampler = self.inner.sampler
-        return sampler.sampler if isinstance(sampler, (BatchSampler, Keyed)) else sampler
+        sampler = self.inner.sampler if self._batches is None else self._batches
+        while isinstance(sampler, (BatchSampler, Keyed, Chunks)):
+            sampler = sampler.sampler
+        return sampler
+
+    @property
+    def _batches(self) -> BatchSampler | Chunks | None:
+        """What serves the inner loader's batches of indices (None: a loader of the user's batch_size=None)."""
+        found = [getattr(self.inner, "batch_sampler", None), self.inner.sampler]
+        return next((b for b in found if isinstance(b, (BatchSampler, Chunks))), None)
 
     @property
     def local_batch_size(self) -> int | None:
         """Samples per (micro-)batch in this process (the DataLoader's batch_size is the global batch)."""
-        sampler = self.inner.sampler
-        return sampler.batch_size if isinstance(sampler, BatchSampler) else self.inner.batch_size
+        if isinstance(self.sampler, ShardSampler):
+            return self.sampler.batch
+        batches = self._batches
+        return batches.batch_size if isinstance(batches, BatchSampler) else self.inner.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next pass takes (for resuming); passes count on from it."""
@@ -136,7 +148,7 @@ class Sharded:
         self.epoch, self.skip, self.place, self.resumed = epoch, served, None, served > 0
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return len(self.sampler.sizes) if isinstance(self.sampler, ShardSampler) else len(self.inner)
 
     def micro_batch_sizes(self) -> list[int]:
         """This process's samples in each batch of a pass: all full but the last (the sampler's remainder)."""
@@ -152,14 +164,15 @@ class Sharded:
         ordered = isinstance(self.sampler, GlobalOrder)
         if ordered:  # the served part of a resumed epoch is left out of the order: never loaded
             self.sampler.start = skip
-        if isinstance(self.inner.sampler, Keyed):  # seed_per_sample: the draws are keyed by this epoch
-            self.inner.sampler.epoch = epoch
+        if isinstance(self._batches, (BatchSampler, Chunks)) and isinstance(self._batches.sampler, Keyed):
+            self._batches.sampler.epoch = epoch  # seed_per_sample: the draws are keyed by this epoch
         self.started = [generator.get_state() for generator in self.generators]
         self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
         k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
         sizes = self.micro_batch_sizes() if k > 1 else []
         # batches cut on the device already need no move (~5 µs a step)
         there = isinstance(self.inner, InMemory) and self.inner.device == self.device
+        served, forwards, batch = 0, 0, None
         for i, batch in enumerate(self._start_pass()):
             if i < drop:
                 continue
@@ -168,15 +181,36 @@ class Sharded:
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             if ordered:  # this process's rows of a short last step, weighted as one process weighs them
                 order = self.sampler
-                uneven.record(uneven.loader_weight(order.size, order.batch, k, order.rank, order.world,
-                                                   skip // g + i, self.share))
+                uneven.record(*uneven.loader_weight(order.size, order.total, order.batch, k, order.rank, order.world,
+                                                    skip // g + i, self.share))
+            elif not isinstance(self.inner, Split):  # a batch of its own: no earlier split's weight goes on to it
+                uneven.record(1.0)
             self.place = (epoch, skip + (i + 1 - drop) * g)
             progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
+            if skip and served == 1 and watch.forwards() == forwards and self._rank == 0:  # the first batch of a
+                watch.skipped_twice(epoch, skip, self.counts)  # resumed pass was passed over: the script skips too
+            served, forwards = served + 1, watch.forwards()
             yield batch if there else to_device(batch, self.device)
+        for _ in range(len(self) - served) if isinstance(self.sampler, ShardSampler) else ():
+            yield self._empty(batch)  # evaluation: as many batches in every process, this one out of rows
         if ordered:
             self.sampler.start = 0
         uneven.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
         self.place = None
+
+    @property
+    def _rank(self) -> int:
+        return getattr(self.inner, "rank", getattr(self.sampler, "rank", 0))
+
+    def _empty(self, last: Any) -> Any:
+        """A batch with no rows, in the structure of this loader's batches (the last one served, or else one cut
+        by no index, or the collated first sample, fetched with the random streams put back after it)."""
+        if last is None and isinstance(self.inner, InMemory):
+            last = self.inner.dataset[torch.zeros(0, dtype=torch.long, device=self.inner.device)]
+        elif last is None:
+            with seeded(0):
+                last = self.original.collate_fn([self.original.dataset[0]])
+        return to_device(empty(last), self.device)
 
     def _start_pass(self) -> Iterator:
         """The inner loader's iterator, started as the plain loader's: its first draw (the workers' base seed)
@@ -210,6 +244,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if not isinstance(loader, DataLoader):
         raise UsageError(f"setup_dataloader takes a torch.utils.data.DataLoader, not {type(loader).__name__}")
     dataset, accumulate = loader.dataset, accumulate if train else 1  # evaluation takes no optimizer steps
+    seed_per_sample = per_sample(seed_per_sample)
     if seed_per_sample is not False and (isinstance(loader.sampler, DistributedSampler) or read_whole(loader)):
         raise UsageError("seed_per_sample needs a DataLoader with batch_size over a map-style dataset, dealt out by "
                          "multicard (a loader read whole draws in every process what one process draws already)")
@@ -217,17 +252,12 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         if device_data is True:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
         return Sharded(loader, loader, device, accumulate)
-    if read_whole(loader):  # an iterable or a batch sampler: every process reads it, keeping its part
+    if read_whole(loader):  # an iterable, a batch sampler, a sampler's own draws: every process reads it whole
         if device_data is True or accumulate > 1:
-            raise UsageError(f"{'device_data=True' if device_data is True else 'accumulate'} needs a DataLoader with "
-                             f"batch_size over a map-style dataset; accumulate in your loop (mc.no_backward_sync)")
-        return Sharded(Split(loader, rank, world if global_batch else 1, agree), loader, device)
-    if type(loader.sampler) not in (RandomSampler, SequentialSampler) or \
-            (isinstance(loader.sampler, RandomSampler) and (loader.sampler.replacement or
-                                                            loader.sampler.num_samples != len(dataset))):
-        raise UsageError(f"this DataLoader draws with a {type(loader.sampler).__name__}, which multicard cannot "
-                         f"deal out over processes; use shuffle=True or False, pass it as a batch_sampler (read "
-                         f"whole by every process), or a DistributedSampler of your own")
+            raise UsageError(f"{'device_data=True' if device_data is True else 'accumulate'} needs a DataLoader that "
+                             f"multicard deals out (batch_size over a map-style dataset, shuffle=True or False); "
+                             f"accumulate in your loop (mc.no_backward_sync)")
+        return Sharded(Split(loader, rank, world if global_batch else 1, agree, every=not train), loader, device)
     batch = loader.batch_size
     if not train:  # evaluation: any split is exact, so no batch size is refused
         local = -(-batch // world) if global_batch else batch
@@ -243,7 +273,9 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         order = GlobalOrder(len(dataset), rank, world, draws, drop_last=loader.drop_last,
                             step=local * world * accumulate, batch=local * world)
     else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
-        order = ShardSampler(len(dataset), rank, world, draws)
+        order = ShardSampler(len(dataset), rank, world, draws, local)
+    if global_batch:  # a shape by the DataLoader's batch_size (the global batch) is told in one line
+        watch.dealt(batch, local)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate and \
         seed_per_sample is False
     if device_data in (None, "auto"):
@@ -256,13 +288,13 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
     kept = {name: getattr(loader, name) for name in KEPT}
     kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn)  # workers end with this process
+    indices = Keyed(order) if seed_per_sample is not False else order  # Keyed: each index goes with its epoch
+    batches = Chunks(indices, order.sizes) if not train else BatchSampler(indices, local, drop_last=False)
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
-        inner = DataLoader(dataset, batch_size=None, sampler=BatchSampler(order, local, drop_last=False), **kept)
-    elif seed_per_sample is not False:  # each index goes with its epoch; the dataset seeds the draws from both
-        inner = DataLoader(Seeded(dataset, the_seed(seed_per_sample, agree)), batch_size=local, sampler=Keyed(order),
-                           collate_fn=loader.collate_fn, **kept)
-    else:
-        inner = DataLoader(dataset, batch_size=local, sampler=order, collate_fn=loader.collate_fn, **kept)
+        inner = DataLoader(dataset, batch_size=None, sampler=batches, **kept)
+    else:  # seed_per_sample: the dataset seeds the draws from the epoch and index
+        keyed = Seeded(dataset, the_seed(seed_per_sample, agree)) if seed_per_sample is not False else dataset
+        inner = DataLoader(keyed, batch_sampler=batches, collate_fn=loader.collate_fn, **kept)
     return Sharded(inner, loader, device, accumulate)
 
 

@@ -11,6 +11,7 @@ them: on one process the set-up loader serves the plain loader's batches and lea
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -74,14 +75,17 @@ class Permutation:
 
 
 class ShardSampler(Sampler[int]):
-    """Every `world`-th index from `rank`: each sample in exactly one shard, none padded or repeated.
+    """Every `world`-th index from `rank` (position p of the data goes to process p % world, as in training):
+    each sample in exactly one shard, none padded or repeated, served in batches of `batch`.
 
     DistributedSampler pads the last shard with repeats so that shards are equal; for evaluation that would
-    count some samples twice. Shards here may differ by one sample; metrics are reduced as sums. A shuffling
-    loader's permutation is still drawn (and not used), so the random streams move on as the plain loader's."""
+    count some samples twice. Shards here may differ by one sample, and every process still gets the same number
+    of batches (`sizes`), so a collective per batch (a gather of each batch's predictions, fsdp's forward) always
+    has its partners. A shuffling loader's permutation is still drawn (and not used), so the random streams move
+    on as the plain loader's."""
 
-    def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None):
-        self.size, self.rank, self.world, self.draws = size, rank, world, draws
+    def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None, batch: int = 1):
+        self.size, self.rank, self.world, self.draws, self.batch = size, rank, world, draws, batch
 
     def __iter__(self):
         yield from self.order().tolist()
@@ -90,14 +94,43 @@ class ShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.world))
 
+    @property
+    def sizes(self) -> list[int]:
+        """This process's batch sizes in a pass: the first process's count of batches in every process. A last
+        batch left empty takes a row of the one before it; only batches of one row (or fewer samples than
+        processes) can leave a process an empty batch (the set-up loader serves it: no rows, the same fields)."""
+        mine, most = len(self), len(range(0, self.size, self.world))
+        count = -(-most // self.batch)
+        sizes = [self.batch] * (count - 1) + [mine - (count - 1) * self.batch] if count else []
+        if count > 1 and sizes[-1] == 0 and self.batch > 1:
+            sizes[-2:] = [self.batch - 1, 1]
+        return sizes
+
     def order(self) -> torch.Tensor:
         if self.draws is not None:
             self.draws.draw()
-        return torch.arange(self.rank, self.size, self.world)
+        return torch.arange(self.rank, max(self.rank, self.size), self.world)  # none: fewer samples than ranks
 
     def finish(self) -> None:
         if self.draws is not None:
             self.draws.finish()
+
+
+class Chunks(Sampler[list]):
+    """`sampler`'s items in batches of `sizes` (ShardSampler.sizes), the empty ones left out."""
+
+    def __init__(self, sampler: Sampler, sizes: list[int]):
+        self.sampler, self.sizes = sampler, sizes
+
+    def __iter__(self):
+        items = iter(self.sampler)
+        for size in self.sizes:
+            if size:
+                yield list(itertools.islice(items, size))
+        next(items, None)  # the sampler's pass runs to its end (its finish())
+
+    def __len__(self) -> int:
+        return sum(1 for size in self.sizes if size)
 
 
 class GlobalOrder(Sampler[int]):

@@ -2,8 +2,10 @@
 loader), a globally drawn random tensor; and random streams that differ per process where a script wants that.
 
 Under the global-batch contract N processes together take the step one process takes. A batch that every
-process builds in full (the same data, the same seed) is cut into contiguous parts, rank 0's first; parts differ
-by at most one sample where the batch does not split evenly.
+process builds in full (the same data, the same seed) is dealt as the set-up loader deals a global batch: row t
+goes to process t % N (rows rank, rank + N, ...), so mc.local, mc.randn_local, a loader read whole and the
+set-up loader give a process the same samples; parts differ by at most one row where the batch does not split
+evenly. mc.gather_in_order puts the parts back in order.
 """
 
 from __future__ import annotations
@@ -69,49 +71,80 @@ def _is_structure(items: list | tuple) -> bool:
     return hasattr(items, "_fields") or any(isinstance(i, (torch.Tensor, Mapping, list, tuple)) for i in items)
 
 
+def _axis(tensor: torch.Tensor, dim: int, where: str = "") -> int:
+    """`dim` of `tensor` as a non-negative index; one that the tensor does not have is one error."""
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise UsageError(f"dim={dim}: the batch{where} has {tensor.dim()} dimension{'s' * (tensor.dim() != 1)} "
+                         f"(shape {tuple(tensor.shape)}); give the dimension that holds its samples")
+    return dim % tensor.dim()
+
+
 def part(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
-    """Rank's contiguous part of `batch` along `dim`: a tensor, a list / tuple of per-sample values, or dicts,
-    lists and tuples of these (each field cut alike). Strings and other values are kept whole."""
+    """Rank's rows of `batch` along `dim`, dealt as the set-up loader deals a global batch (rows rank, rank +
+    world, ...): a tensor (its part made contiguous), a list / tuple of per-sample values, or dicts, lists and
+    tuples of these (each field cut alike). Strings and other values are kept whole."""
+    return _cut(batch, slice(rank, None, world), dim)
+
+
+def empty(batch: Any) -> Any:
+    """`batch` with no rows, in its structure: what a process with no samples left is served."""
+    return _cut(batch, slice(0, 0), 0)
+
+
+def _cut(batch: Any, rows: slice, dim: int) -> Any:
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             return batch
-        start, stop = bounds(batch.size(dim), rank, world)
-        return batch.narrow(dim, start, stop - start)
+        return batch[(slice(None),) * _axis(batch, dim) + (rows,)].contiguous()
     if isinstance(batch, Mapping):
-        cut = {key: part(value, rank, world, dim) for key, value in batch.items()}
+        cut = {key: _cut(value, rows, dim) for key, value in batch.items()}
         try:
             return type(batch)(cut)
         except TypeError:  # a mapping that cannot be built from a dict: a plain dict of its fields
             return cut
     if isinstance(batch, (list, tuple)):
         if not _is_structure(batch):
-            start, stop = bounds(len(batch), rank, world)
-            return batch[start:stop]
-        fields = [part(item, rank, world, dim) for item in batch]
+            return batch[rows]
+        fields = [_cut(item, rows, dim) for item in batch]
         return type(batch)(*fields) if hasattr(batch, "_fields") else type(batch)(fields)
     return batch
 
 
-def samples(batch: Any, dim: int = 0) -> int | None:
-    """How many samples `batch` holds along `dim`: its first tensor's size, or its first per-sample list's length
-    (None: nothing to count)."""
+def _counts(batch: Any, dim: int, where: str = "") -> Iterator[tuple[str, int]]:
+    """(where, rows) for each tensor with rows and each per-sample list in `batch`, in a fixed order."""
     if isinstance(batch, torch.Tensor):
-        return batch.size(dim) if batch.dim() else None
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
+        if batch.dim():
+            yield where, batch.size(_axis(batch, dim, where and f" at {where}"))
+    elif isinstance(batch, Mapping):
+        for key, value in batch.items():
+            yield from _counts(value, dim, f"{where}[{key!r}]")
+    elif isinstance(batch, (list, tuple)):
         if not _is_structure(batch):
-            return len(batch)
-        return next((n for n in (samples(item, dim) for item in batch) if n is not None), None)
-    return None
+            yield where, len(batch)
+            return
+        for i, item in enumerate(batch):
+            yield from _counts(item, dim, f"{where}[{i}]")
+
+
+def samples(batch: Any, dim: int = 0) -> int | None:
+    """How many samples `batch` holds along `dim` (None: nothing to count). Every field must hold as many (one
+    process's loss would fail on fields of different lengths): else one error naming them."""
+    counts = list(_counts(batch, dim))
+    if len({rows for _, rows in counts}) > 1:
+        listed = ", ".join(f"{where or 'the batch'}: {rows}" for where, rows in counts)
+        raise UsageError(f"the batch's fields hold different numbers of rows along dim {dim} ({listed}): a global "
+                         f"batch holds one row per sample in every field; cut each field with its own mc.local")
+    return counts[0][1] if counts else None
 
 
 def randn_local(rank: int, world: int, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
     """torch.randn(*global_shape, **options), drawn whole in every process (the same random numbers one process
-    draws), of which this process keeps its part along `dim`."""
+    draws), of which this process keeps its part along `dim`: the rows of the samples the loader dealt it."""
     if len(global_shape) == 1 and isinstance(global_shape[0], (tuple, list, torch.Size)):
         global_shape = tuple(global_shape[0])
-    if not global_shape or global_shape[dim] < world:
+    if not -len(global_shape) <= dim < len(global_shape):
+        raise UsageError(f"randn_local{tuple(global_shape)}, dim={dim}: the shape has no dimension {dim}")
+    if global_shape[dim] < world:
         raise UsageError(f"randn_local{tuple(global_shape)}: the global shape's size {dim} must be at least the "
                          f"{world} processes, each keeping a part")
     return part(torch.randn(*global_shape, **options), rank, world, dim)

@@ -1,10 +1,13 @@
 """Loaders that cannot be dealt out by index, read whole by every process: an IterableDataset, a batch sampler of
-the user's (e.g. length bucketing), or `sampler=BatchSampler(...), batch_size=None`.
+the user's (e.g. length bucketing), `sampler=BatchSampler(...), batch_size=None`, or a sampler whose own draws
+decide the order (RandomSampler with replacement or num_samples, as minGPT's endless stream; WeightedRandomSampler).
 
 Every process iterates the user's loader as it is (the same global batches, when the loader and its random
-streams are built alike in every process) and keeps its contiguous part of each batch. Each process then takes
-the same number of steps by construction; a batch with fewer samples than processes is left out (some process
-would get none), the only batch one process would have taken that N processes do not.
+streams are built alike in every process) and keeps its part of each batch, dealt as the set-up loader deals
+(row t to process t % N). Each process then takes the same number of steps by construction; in training a batch
+with fewer samples than processes is left out (some process would get none), the only batch one process would
+have taken that N processes do not. In evaluation every batch is kept, a process short of rows getting none of
+it (an empty part): each sample once, and as many batches in every process.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..errors import UsageError
 from ..jobs.slots import pass_ended, read_batch
 from . import uneven
 from .order import Agree, same_everywhere
-from .parts import samples
+from .parts import part, samples
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:
@@ -46,21 +49,27 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
 
 
 def read_whole(loader: DataLoader) -> bool:
-    """Whether `loader` is one of the pipelines each process reads whole."""
-    return isinstance(loader.dataset, IterableDataset) or loader.batch_size is None
+    """Whether `loader` is one of the pipelines each process reads whole: all but a batch_size over a map-style
+    dataset in its order or in one permutation of it (shuffle=False or True), which multicard deals out."""
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        return True
+    sampler = loader.sampler
+    return not (type(sampler) is SequentialSampler or type(sampler) is RandomSampler and not sampler.replacement
+                and sampler.num_samples == len(loader.dataset))
 
 
 class Split:
-    """The user's loader, whole; each batch cut to this process's part (world 1: the batches as they come)."""
+    """The user's loader, whole; each batch cut to this process's part (world 1: the batches as they come).
+    `every`: evaluation, where a batch with fewer rows than processes is kept (empty parts) and nothing weighted."""
 
-    def __init__(self, loader: DataLoader, rank: int, world: int, agree: Agree | None = None):
+    def __init__(self, loader: DataLoader, rank: int, world: int, agree: Agree | None = None, every: bool = False):
         batches = isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is not None or \
             isinstance(loader.sampler, BatchSampler)
         if not batches:
             raise UsageError(f"this DataLoader has batch_size=None with a {type(loader.sampler).__name__}, so it "
                              f"serves one sample at a time; give it batch_size, or pass a sampler that yields "
                              f"batches of indices as batch_sampler=")
-        self.loader, self.rank, self.world, self.agree = loader, rank, world, agree
+        self.loader, self.rank, self.world, self.agree, self.every = loader, rank, world, agree, every
         self.sampler, self.batch_size = loader.sampler, None
 
     def __len__(self) -> int:
@@ -73,6 +82,7 @@ class Split:
         for i, batch in enumerate(batches):
             if self.world == 1:
                 read_batch()
+                uneven.record(1.0)  # a new batch: no earlier split's weight goes on to it
                 yield batch
                 continue
             size = samples(batch)
@@ -81,8 +91,12 @@ class Split:
                                  f"list to split between the processes")
             if i == 0 and self.agree is not None:
                 self._check(batch, size)
-            if size >= self.world:  # its part, weighted by its rows (uneven.py)
+            if self.every:
                 read_batch()  # counted for the launcher: a rank given more batches than another is named with both
+                uneven.record(1.0)
+                yield part(batch, self.rank, self.world)
+            elif size >= self.world:  # its part, weighted by its rows (uneven.py)
+                read_batch()
                 yield uneven.local(batch, self.rank, self.world)
         uneven.record(1.0)  # the pass is over: what follows is not weighted by its last batch
         pass_ended()

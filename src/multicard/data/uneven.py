@@ -7,10 +7,18 @@ holds k_r of the step's n rows. So process r's gradient is multiplied by its wei
 1 where the rows split evenly (then nothing at all is done), else e.g. 4/3 and 2/3 for 3 rows over 2 processes,
 and 0 for a process that holds only a padded repeat (a last batch with fewer rows than processes).
 
-The weight is recorded where the split is made (mc.local, the set-up loader, a loader read whole) and applied by
-the set-up model to the gradient that flows back into its outputs, so `loss.backward()` and `mc.backward(loss)`
-alike get it, ddp and fsdp alike; it holds from the forward after the split until the next split. Where the
-batches come from a pipeline of the user's own, multicard cannot know the global batch: nothing is recorded.
+The weight is recorded where the split is made (mc.local, the set-up loader, a loader read whole), with this
+process's rows of the split, and applied by the set-up model to the gradient that flows back into its outputs,
+so `loss.backward()` and `mc.backward(loss)` alike get it, ddp and fsdp alike. It belongs to the forwards on
+that split: every forward whose inputs hold those rows (a GAN's D(real), G(noise), D(fake); a teacher's no_grad
+forward leaves it to the student's) until the next split (each batch of a set-up loader is one) or the end of
+the loader's pass; a forward on other rows ends it (the script went on to batches of its own), and a forward
+under no_grad takes none. Where the batches come from a pipeline of the user's own, multicard cannot
+know the global batch: nothing is recorded.
+
+A loss summed over the rows (mc.backward(loss, reduction="sum")) wants no weight by rows: one process's gradient
+is the sum over all rows, so each process's is multiplied by N (DDP averages), which is N / weight on top of the
+weight its forward applied (`applied()`).
 """
 
 from __future__ import annotations
@@ -20,46 +28,69 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from .parts import bounds, leaves, part, rebuild, samples
+from . import watch
+from .parts import leaves, part, rebuild, samples
 
-_weight = [1.0]  # this process's weight for the forwards that follow (one job per process)
+_cut: list = [1.0, None, 0]  # the last split: this process's weight, its rows of it, and the dim they lie along
+_applied = [1.0]  # the weight the last forward with gradients applied
 
 
-def record(weight: float) -> None:
-    """The weight of this process's gradient from the next forward on."""
-    _weight[0] = float(weight)
+def record(weight: float, rows: int | None = None, dim: int = 0) -> None:
+    """The weight of this process's gradient for the forwards on its `rows` (along `dim`) of the split just made."""
+    _cut[:] = float(weight), rows, dim
 
 
 def current() -> float:
-    return _weight[0]
+    return _cut[0]
+
+
+def applied() -> float:
+    return _applied[0]
 
 
 def local(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
-    """mc.local: rank's contiguous part of a global batch, its weight N*k/n recorded."""
+    """mc.local: rank's rows of a global batch (dealt as the loader deals), its weight N*k/n recorded."""
     rows = samples(batch, dim)
     if rows is not None and rows < world:  # a process with no rows: its mean loss is NaN, and so is the average
         raise UsageError(f"mc.local: a batch of {rows} row{'s' * (rows != 1)} over {world} processes leaves some "
                          f"process none (its loss would be NaN, and the averaged gradient with it); skip such a "
                          f"batch, or give it at least {world} rows")
     if rows:
-        start, stop = bounds(rows, rank, world)
-        record(world * (stop - start) / rows)
+        mine = len(range(rank, rows, world))
+        record(world * mine / rows, mine, dim)
+        watch.dealt(rows, mine)
     return part(batch, rank, world, dim)
 
 
-def loader_weight(size: int, batch: int, accumulate: int, rank: int, world: int, micro: int, share: float) -> float:
+def claim(inputs: Any) -> float:
+    """The weight of a forward on `inputs` (its arguments): the split's, where some input tensor holds this
+    process's rows of it (or no input is a tensor); else 1, and the split's weight ends there."""
+    weight, rows, dim = _cut
+    if weight == 1 or rows is None:
+        return weight
+    sizes = [t.size(dim) for _, t in leaves(inputs) if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()]
+    if sizes and rows not in sizes:
+        record(1.0)
+        return 1.0
+    return weight
+
+
+def loader_weight(size: int, total: int, batch: int, accumulate: int, rank: int, world: int, micro: int,
+                  share: float) -> tuple[float, int | None]:
     """The weight of micro-batch `micro` of a set-up loader's pass (counted from the pass's first position), for
-    rank of world. The order of `size` samples is dealt round-robin in global micro-batches of `batch`,
-    `accumulate` to an optimizer step; only the last step can be short. The loop scales each micro-batch's loss
-    by its `share` of this process's samples in the step, so the weight recorded is what is left: N * (its real
-    rows) / (the step's rows) / share. A padded repeat (beyond `size`) is no real row: weight 0."""
+    rank of world, and the rows rank holds of it. The order of `size` samples (`total` positions with the padded
+    repeats) is dealt round-robin in global micro-batches of `batch`, `accumulate` to an optimizer step; only the
+    last step can be short. The loop scales each micro-batch's loss by its `share` of this process's samples in
+    the step, so the weight recorded is what is left: N * (its real rows) / (the step's rows) / share. A padded
+    repeat (beyond `size`) is no real row: weight 0."""
     step = batch * accumulate
     first = micro // accumulate * step
     rows = min(step, size - first)
     if rows == step:  # a whole step: every process holds batch / N rows of each micro-batch
-        return 1.0
+        return 1.0, None
     mine = len(range(micro * batch + rank, min((micro + 1) * batch, size), world))
-    return world * mine / rows / share
+    held = len(range(micro * batch + rank, min((micro + 1) * batch, total), world))
+    return world * mine / rows / share, held
 
 
 class _Scaled(torch.autograd.Function):
@@ -75,9 +106,9 @@ class _Scaled(torch.autograd.Function):
         return grad * ctx.weight, None
 
 
-def weigh(out: Any) -> Any:
-    """The set-up model's outputs, their gradients multiplied by this process's weight (1: `out` as it is)."""
-    weight = _weight[0]
+def weigh(out: Any, weight: float) -> Any:
+    """The set-up model's outputs, their gradients multiplied by `weight` (1: `out` as it is)."""
+    _applied[0] = weight
     if weight == 1:
         return out
     found = list(leaves(out))

@@ -22,15 +22,18 @@ class Between:
 
     # -- this process's part (data/parts.py) ------------------------------------------------------------------
     def local(self, batch: Any, dim: int = 0) -> Any:
-        """This process's contiguous part of a global batch every process built alike (e.g. mc.local(batchify(data,
-        20), dim=1) keeps its columns): a tensor, a list of per-sample values, or dicts / lists / tuples of them,
-        cut along `dim`; parts differ by at most one sample, the gradient weighted by the part's rows (uneven.py)."""
+        """This process's part of a global batch every process built alike, dealt as the set-up loader deals one
+        (rows rank, rank + N, ...: the samples the loader would have given this process; e.g. mc.local(batchify(
+        data, 20), dim=1) keeps its columns): a tensor, a list of per-sample values, or dicts / lists / tuples of
+        them, each field with as many rows, cut along `dim`; parts differ by at most one sample, the gradient
+        weighted by the part's rows (uneven.py). mc.gather_in_order(outputs) puts the parts back in order."""
         self._start()
         return uneven.local(batch, self.rank, self.world_size, dim)
 
     def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
         """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,
-        e.g. a GAN's for the global batch), this process keeping its part along `dim`."""
+        e.g. a GAN's or a VAE's for the global batch), this process keeping its part along `dim`: the rows of the
+        samples mc.local and the set-up loader give it."""
         self._start()
         return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
 
@@ -56,9 +59,10 @@ class Between:
             return collectives.gather(self._strategy, obj)
 
     def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
-        """Per-sample outputs of an evaluation loader (train=False) from every process, in dataset order (the
-        shards are dealt round-robin) on every process; `total` (len of the dataset) drops a
-        DistributedSampler's padding. See collectives.gather_in_order."""
+        """Per-sample outputs from every process, in order on every process: of an evaluation loader (train=False;
+        a whole pass, or one batch, each process the same number), of mc.local or a loader read whole (one
+        batch). The rows are dealt round-robin; `total` (len of the dataset) drops a DistributedSampler's
+        padding. See collectives.gather_in_order."""
         self._start()
         with watched():
             return collectives.gather_in_order(self._strategy, outputs, total)
@@ -76,8 +80,9 @@ class Between:
         return collectives.rank_zero_first(self._strategy, local)
 
     def split(self, inputs: Any) -> Any:
-        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), e.g. for
-        inference; parts differ by at most one item. mc.gather(outputs) puts them back in order (concatenate)."""
+        """This process's contiguous part of a list, tuple or tensor of inputs (or a dict of them), for inference
+        over a list (parts differ by at most one item): concatenating mc.gather(outputs) puts them back in order.
+        Not the cut of a training batch (mc.local: dealt as the loader deals, its gradient weighted)."""
         self._start()
         return collectives.split(self._strategy, inputs)
 

@@ -111,7 +111,8 @@ def rank_zero_first(strategy: Strategy, local: bool = False) -> Iterator[None]:
 
 def split(strategy: Strategy, inputs: Any) -> Any:
     """This process's contiguous part of `inputs` (a list, tuple, tensor or other sliceable sequence, or a dict
-    of them): parts differ by at most one item, rank 0's first; concatenated in rank order they are `inputs`."""
+    of them): parts differ by at most one item, rank 0's first; concatenated in rank order they are `inputs`.
+    Inference over a list, kept contiguous for that; a training batch is cut by mc.local (data/parts.py)."""
     if isinstance(inputs, dict):
         return type(inputs)((k, split(strategy, v)) for k, v in inputs.items())
     if not hasattr(inputs, "__getitem__") or not hasattr(inputs, "__len__"):
@@ -123,11 +124,13 @@ def split(strategy: Strategy, inputs: Any) -> Any:
 
 
 def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) -> Any:
-    """An evaluation loader's outputs from every process, back in dataset order: rank r holds samples r, r+N,
-    r+2N, ... (train=False shards; also a DistributedSampler without shuffle), so the parts are interleaved.
-    `outputs`: this process's per-sample results in its loader's order: a tensor (one row per sample), a list
-    of per-sample values, or a dict / tuple of these. `total` (the dataset's size) drops what is beyond it:
-    the padding a DistributedSampler repeats. Every process gets the whole result."""
+    """Per-sample outputs from every process, back in order: rank r holds rows r, r+N, r+2N, ... (a pass of a
+    train=False loader, or one batch of it, every process holding the same number of batches; one batch cut by
+    mc.local or a loader read whole; a DistributedSampler without shuffle), so the parts are interleaved.
+    `outputs`: this process's per-sample results in its order: a tensor (one row per sample), a list of
+    per-sample values, or a dict / tuple of these (predictions and labels together stay paired). `total` (the
+    dataset's size) drops what is beyond it: the padding a DistributedSampler repeats. Every process gets the
+    whole result."""
     parts = strategy.gather(_to_cpu(outputs))
     for rank, part in enumerate(parts[1:], 1):
         if structure(part) != structure(parts[0]):

@@ -219,9 +219,10 @@ class Multicard(Between, Checkpoints, Steps):
         batch_size is the GLOBAL batch: N processes take, step by step, the samples one process takes (the plain
         loader's permutation, from the same numbers of its generator, or of rank 0's global RNG, dealt out), so
         it must split over the processes; a short last batch is weighted by rows (uneven.py). global_batch=False
-        keeps batch_size per process. An IterableDataset or a batch sampler of the user's is read whole by every
-        process, each keeping its contiguous part of each batch. train=False: exact shards for evaluation, each
-        sample in one process. A loader's own DistributedSampler is kept (set_epoch called on each pass).
+        keeps batch_size per process. An IterableDataset, a batch sampler or a sampler's own draws are read whole by
+        every process, each keeping its part of each batch (row t to process t % N). train=False: exact shards
+        for evaluation, each sample in one process, as many batches in every process. A loader's own
+        DistributedSampler is kept (set_epoch called on each pass).
         device_data=True holds a TensorDataset on the device and cuts batches there; "auto" does that on a card
         when the tensors take at most a quarter of its free memory (else says so, and copies each batch).
         seed_per_sample=True (or a seed; True: torch.initial_seed()) seeds torch, random and numpy from (seed,

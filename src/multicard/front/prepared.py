@@ -10,6 +10,7 @@ is an error, or, once marked (mc.mark_forward), runs through the wrapper's forwa
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoints.plain import unprefixed
-from ..data import uneven
+from ..data import uneven, watch
 from ..errors import UsageError
 from .precision import to_fp32
 
@@ -46,13 +47,19 @@ class Prepared(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device_type, dtype = self._autocast
-        if dtype is None:
-            out = self.forward_module(*args, **kwargs)
-        else:
-            with torch.autocast(device_type, dtype):
-                out = to_fp32(self.forward_module(*args, **kwargs))
+        weight = uneven.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
+        watch.forwarded()
+        try:
+            if dtype is None:
+                out = self.forward_module(*args, **kwargs)
+            else:
+                with torch.autocast(device_type, dtype):
+                    out = to_fp32(self.forward_module(*args, **kwargs))
+        except (RuntimeError, ValueError) as error:  # a shape naming the global batch: said under torch's message
+            watch.explain(error)
+            raise
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
-            out = uneven.weigh(out)
+            out = uneven.weigh(out, weight)
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
                 self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
             self._watch_backward(out)
@@ -60,6 +67,16 @@ class Prepared(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         return self.module.state_dict(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """copy.deepcopy(model), and so AveragedModel(model) (an EMA): a copy of your model, outside every wrapper.
+        A copy of ddp's wrapper would wait in each forward for the other processes (an EMA evaluated on rank 0
+        alone would hang); a plain copy runs anywhere, and its parameters follow yours in the same order."""
+        if any(type(p).__name__ == "DTensor" for p in self.module.parameters()):  # fsdp's shards: torch refuses
+            raise UsageError("copy.deepcopy / AveragedModel of a model set up under fsdp: its parameters are this "
+                             "process's shards, which torch cannot copy; build the EMA before setup and set it up "
+                             "too (ema = mc.setup(AveragedModel(model)), evaluated on every rank), or use ddp")
+        return copy.deepcopy(self.module, memo)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(unprefixed(state_dict), strict, assign)

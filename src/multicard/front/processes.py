@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from .. import strategies
+from ..data import watch
 from ..errors import UsageError
 from ..jobs.devices import select
 from ..jobs.dist import Job, check_timeout
@@ -50,4 +51,8 @@ def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bo
     mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
                    timeout=strategy.timeout_s, loggers=loggers)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
-    return mc.launch(fn, *args)
+    try:
+        return mc.launch(fn, *args)
+    except (RuntimeError, ValueError) as error:  # a shape that names the global batch: said so under torch's message
+        watch.explain(error)
+        raise

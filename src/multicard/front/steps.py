@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..data import uneven
 from ..errors import UsageError
 from ..jobs.slots import watched
 from .precision import autocast
@@ -16,10 +17,19 @@ from .prepared import Prepared
 
 
 class Steps:
-    """Methods of Multicard (uses its _strategy, scaler, precision and device)."""
+    """Methods of Multicard (uses its _strategy, scaler, precision, device and world_size)."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(); under fp16 the loss is scaled first."""
+    def backward(self, loss: torch.Tensor, reduction: str = "mean") -> None:
+        """loss.backward(); under fp16 the loss is scaled first. reduction="sum": the loss is a sum over the rows
+        (reduction="sum", a VAE's BCE + KLD), not a mean: its gradient is then taken as one process takes it,
+        the sum over all rows of the global batch (ddp and fsdp average the processes' gradients, so each is
+        multiplied by N, rows held unevenly included)."""
+        if reduction not in ("mean", "sum"):
+            raise UsageError(f"backward(loss, reduction={reduction!r}): say \"mean\" (a loss averaged over the rows, "
+                             f"the default) or \"sum\" (summed over them)")
+        if reduction == "sum" and self.world_size > 1:  # the forward weighted it as a mean: N / weight on top
+            weight = uneven.applied()
+            loss = loss * (self.world_size / weight if weight else self.world_size)
         with watched():  # ddp's gradient reduction ran out of time: told to the launcher, even where it is caught
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 

@@ -43,9 +43,10 @@ def evaluate(mc: Multicard, model: nn.Module, stats: Callable, loader) -> dict[s
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=mc.device)
     for inputs, targets in loader:
-        n = count(targets)
-        sums[:2] += stats(model(inputs), targets).double() * n
-        sums[2] += n
+        n, outputs = count(targets), model(inputs)  # an empty batch too: under fsdp its forward has partners
+        if n:  # a mean over no rows is NaN
+            sums[:2] += stats(outputs, targets).double() * n
+            sums[2] += n
     loss, correct, n = mc.all_reduce(sums).tolist()
     return {"test_loss": loss / max(n, 1), "test_accuracy": correct / max(n, 1), "test_samples": int(n)}
 
