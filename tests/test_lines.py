@@ -218,20 +218,40 @@ def test_a_long_line_without_a_newline_is_relayed_in_linear_time():
 
 
 # -- a thread fn leaves running -----------------------------------------------------------------------------------
+THREADS = """
+    import sys, threading, time, multicard
+    from concurrent.futures import ThreadPoolExecutor
+    from multicard.jobs.failures import RankFailed
+    def job(mc, fail):
+        if mc.rank == 1:
+            threading.Thread(target=time.sleep, args=(600,), name="uploader").start()
+            if fail:
+                raise ValueError("after the thread started")
+        ThreadPoolExecutor(2).submit(print, end="")  # idle, not shut down: it ends with its process, as ever
+        return mc.rank + 41
+    def main():
+        if sys.argv[1] == "fail":
+            try:
+                multicard.launch(job, True, devices="cpu:2", timeout=60)
+            except RankFailed as e:
+                print(f"rank {e.rank} failed", file=sys.stderr)
+        else:
+            print(multicard.launch(job, False, devices="cpu:2", timeout=2))
+"""
+
+
 def test_a_thread_fn_leaves_running_is_named_once_the_timeout_passed_and_the_launch_returns(tmp_path):
-    done = run(script(tmp_path, """
-        import threading, time, multicard
-        def job(mc):
-            if mc.rank == 1:
-                threading.Thread(target=time.sleep, args=(600,), name="uploader").start()
-            return mc.rank + 41
-        def main():
-            print(multicard.launch(job, devices="cpu:2", timeout=2))
-    """), tmp_path, timeout=60)
+    done = run([*script(tmp_path, THREADS), "return"], tmp_path, timeout=60)
     assert done.returncode == 0 and done.stdout == "41\n", done.stderr
     assert done.stderr.splitlines() == [
         "multicard: rank 1: fn returned, but its thread 'uploader' still ran 2 s later (the job's timeout); this rank "
         "ended without it: join threads before fn returns, or start them with daemon=True"], done.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_with_a_thread_left_running_is_told_at_once(tmp_path):
+    done = run([*script(tmp_path, THREADS), "fail"], tmp_path, timeout=50)  # well within the job's 60 s
+    assert done.returncode == 0 and done.stderr.splitlines()[-1] == "rank 1 failed", done.stderr
 
 
 # -- the folders of SIGKILLed launchers ---------------------------------------------------------------------------

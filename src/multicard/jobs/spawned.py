@@ -15,7 +15,6 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -74,7 +73,7 @@ def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str]
     except Exception as e:
         slots.failed(e)
         _fail("trace", traceback.format_exc())
-    _threads_ended(rank)
+    _watch_threads(rank)
 
 
 def _send(out: Any, folder: str) -> None:
@@ -116,7 +115,7 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 def _fail(kind: str, text: str) -> None:
     slots.tell_launcher(kind, text)
-    if _running():  # Python would wait for them before it ends, and the launcher for it: the failure never shown
+    if _running():  # threads fn left running: Python would wait for them, and the failure would never be told
         _end(1)
     sys.exit(1)
 
@@ -126,24 +125,29 @@ def _running() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
 
 
-def _threads_ended(rank: int) -> None:
-    """fn returned: the threads it left running get the job's timeout to end; then this process ends without
-    those still running, naming them (Python would wait for them without limit, and the launch with it)."""
+def _watch_threads(rank: int) -> None:
+    """fn returned: Python now waits without limit for the threads it left running (not daemons), and the launch
+    with it. They get the job's timeout (after their exit handlers: an idle ThreadPoolExecutor ends at once); then
+    a watch ends this process without those still running, naming them."""
     timeout = slots.progress_slot()[1] or THREADS_S
-    deadline = time.monotonic() + timeout
-    for thread in _running():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    if left := _running():
-        names = listed([repr(t.name) for t in left])
-        print(f"multicard: rank {rank}: fn returned, but its thread{'s' * (len(left) > 1)} {names} still ran "
-              f"{timeout:g} s later (the job's timeout); this rank ended without {'them' if len(left) > 1 else 'it'}"
-              f": join threads before fn returns, or start them with daemon=True", file=sys.stderr)
-        _end(0)
+
+    def end() -> None:
+        if left := _running():
+            names, several = listed([repr(t.name) for t in left]), len(left) > 1
+            print(f"multicard: rank {rank}: fn returned, but its thread{'s' * several} {names} still ran {timeout:g} "
+                  f"s later (the job's timeout); this rank ended without {'them' if several else 'it'}: join threads "
+                  f"before fn returns, or start them with daemon=True", file=sys.stderr, flush=True)
+            os._exit(0)
+
+    watch = threading.Timer(timeout, end)
+    watch.daemon, watch.name = True, "multicard thread watch"
+    watch.start()
 
 
 def _end(code: int) -> None:
     """End this process now, without waiting for its threads: what a process does on its way out (multiprocessing's
-    finalizers, the exit handlers, its streams flushed) first."""
+    finalizers, the exit handlers, its streams flushed) first. For a failed rank: the launcher learns of the failure
+    only once the process has ended."""
     from multiprocessing import util
 
     util._exit_function()

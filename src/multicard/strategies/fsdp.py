@@ -83,12 +83,15 @@ class FSDP(DDP):
 
 
 def refuse(optimizer: torch.optim.Optimizer) -> None:
-    """One line for an optimizer in REFUSED over fsdp's shards (its own file's class or a subclass of it)."""
-    from torch.distributed.tensor import DTensor
-
+    """One line for an optimizer in REFUSED (or a subclass of one) over fsdp's shards. Cheap: it runs before every
+    optimizer step of a process that set up an fsdp model."""
     name = next((c.__name__ for c in type(optimizer).__mro__
                  if c.__module__.startswith("torch.optim") and c.__name__ in REFUSED), None)
-    if name and any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+    if name is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
         raise UsageError(f"fsdp cannot step {name}: {REFUSED[name]}; use ddp (it steps any torch optimizer), or "
                          f"an optimizer that steps each parameter on its own (SGD, Adam, AdamW, ...)")
 
