@@ -24,11 +24,15 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's own signature)
         parsed, extra = self.parse_known_args(args, namespace)
-        if extra:  # named by the subcommand they were given to (argparse would name only `multicard`)
-            command = getattr(parsed, "command", None)
-            prog = f"{self.prog} {command}" if command else self.prog
+        # a bad flag is named by the subcommand it was given to (argparse would name only `multicard`)
+        command = getattr(parsed, "command", None)
+        prog = f"{self.prog} {command}" if command else self.prog
+        if extra:
             flag = extra[0].partition("=")[0]
             self.fail(prog, f"{flag}: not a flag of {prog}" if flag.startswith("-") else f"{flag}: unexpected")
+        for name, number in vars(parsed).items():  # torch takes 64-bit integers: a larger one is its traceback
+            if type(number) is int and not -2**63 <= number < 2**63:
+                self.fail(prog, f"--{name.replace('_', '-')} {number}: out of range (from {-2**63} to {2**63 - 1})")
         return parsed
 
     def error(self, message: str):  # noqa: ANN201 (never returns)

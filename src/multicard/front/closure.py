@@ -49,7 +49,8 @@ def reduce_closures(optimizer: torch.optim.Optimizer, strategy: Strategy) -> Non
 def set_up_step(optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: torch.amp.GradScaler | None,
                 skipped: torch.Tensor | None) -> None:
     """What Multicard.setup_optimizers does to an optimizer's step(): fp16 (a `scaler`): through the gradient
-    scaler; 2+ processes: its closure's loss reduced."""
+    scaler; 2+ processes: its closure's loss reduced. One the strategy cannot step is refused here."""
+    strategy.check_optimizer(optimizer)
     if scaler is not None:
         step_through_scaler(optimizer, scaler, skipped)
     if strategy.world > 1:

@@ -16,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline, shipping, slots, streams
+from . import jobdir, lifeline, shipping, slots, spawned, streams
 from .devices import omp_threads
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
@@ -106,25 +103,27 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
     name the one that cannot be sent."""
     import multiprocessing
 
+    spawned.end_if_started_again()
     server = store()
-    folder = tempfile.mkdtemp(prefix="multicard-job-")
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or CUDA
     processes: list = []
     relay = streams.Relay(context)
-    with Signals() as signals:
+    with Signals() as signals, jobdir.job_folder() as folder:
         try:
-            work = shipping.pack((fn, args), named)  # opened in each process as _child says (not before it starts)
+            work = shipping.pack((fn, args), named)  # opened in each process as spawned.body says (once started)
             # every process started is known before a signal is acted on
             with signals.holding(), shipping.main_left_out():
                 _tracker()
-                for rank in range(nprocs):
-                    slots.new_slot(slot_path(folder, rank))
-                    ends = relay.ends()
-                    process = context.Process(target=_child, name=f"multicard rank {rank}",
-                                              args=(rank, work, nprocs, server.port, folder, os.getpid(), ends))
-                    process.start()
-                    processes.append(process)
-                    relay.started(ends)
+                with _blocked(signal.SIGINT):  # each rank starts with it blocked: see spawned.body
+                    for rank in range(nprocs):
+                        slots.new_slot(slot_path(folder, rank))
+                        ends = relay.ends()
+                        env = job_env(rank, nprocs, server.port, folder)
+                        process = context.Process(target=spawned.body, name=f"multicard rank {rank}",
+                                                  args=(rank, work, folder, os.getpid(), env, ends))
+                        process.start()
+                        processes.append(process)
+                        relay.started(ends)
             failed = first_failure_of(processes, folder)
             if failed is None:
                 with open(os.path.join(folder, "result"), "rb") as f:
@@ -134,7 +133,6 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             stop(processes, grace_s)
             relay.finish()  # what they printed last shows before what this raises
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tracker() -> None:
@@ -143,9 +141,17 @@ def _tracker() -> None:
     then start a new one that knows none of their semaphores (a traceback per rank)."""
     from multiprocessing import resource_tracker
 
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-    try:
+    with _blocked(signal.SIGHUP):
         resource_tracker.ensure_running()
+
+
+@contextlib.contextmanager
+def _blocked(signum: int) -> Iterator[None]:
+    """`signum` blocked in this thread while inside: held until then, and blocked in the processes started
+    meanwhile (a rank unblocks SIGINT once a Ctrl-C stops it quietly, not while it imports torch)."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+    try:
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
@@ -156,6 +162,8 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
     kind, text = told(folder, rank)
     if kind == "said":  # it was interrupted or stopped, by a signal to it alone
         return RankFailed(rank, text, meant=True)
+    if not kind and processes[rank].exitcode == spawned.UNGUARDED:
+        return UsageError(spawned.unguarded())
     blamed = parted(rank, {r: p.exitcode for r, p in enumerate(processes)}, folder) or \
         blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder, len(processes))
     if blamed:
@@ -171,74 +179,13 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _child(rank: int, work: bytes, nprocs: int, port: int, folder: str, launcher: int, ends: list = ()) -> None:
-    """The body of a spawned process: fn(*args) (pickled in `work`), and what became of it left in the job's
-    folder. `ends`: the pipes its stdout and stderr go to, where the launcher shows them itself (a notebook)."""
-    lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
-    streams.take(ends)
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, _raise_stopped)
-    os.environ.update(job_env(rank, nprocs, port, folder, launcher))
-    fn, args = _unpickled(work, rank, folder)
-    shipping.workers_by_fork()
-    try:
-        out = fn(*args)
-        if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
-            raise KeyboardInterrupt if _signalled[0] == signal.SIGINT else Stopped(_signalled[0])
-    except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
-        _fail("said", f"rank {rank} was interrupted (SIGINT)")
-    except Stopped as e:
-        _fail("said", f"rank {rank} was stopped by {e}")
-    except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
-        _fail("usage", str(e))
-    except Exception as e:
-        slots.failed(e)
-        _fail("trace", traceback.format_exc())
-    if rank == 0:
-        with open(os.path.join(folder, "result"), "wb") as f:
-            f.write(shipping.dumps(out))  # an instance of a class a notebook defined comes back as one
-
-
-def _unpickled(work: bytes, rank: int, folder: str) -> tuple[Callable, tuple]:
-    """fn and its arguments. The modules they come from are imported here as modules: with no command line (the
-    launcher's flags are not theirs: a top-level argparse would refuse them), and one that ends the program when
-    imported fails the job in a line."""
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        return pickle.loads(work)
-    except SystemExit as e:
-        _fail("usage", f"importing what rank {rank} runs ended the program (exit {e.code}): a module "
-                                     f"that runs a script at import? put that under `if __name__ == \"__main__\":`")
-    finally:
-        sys.argv = argv
-
-
-_signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
-
-
-def _raise_stopped(signum: int, frame: Any) -> None:
-    _signalled.append(signum)
-    if len(_signalled) > 1:  # a second signal (SIGHUP to the group, then SIGTERM from the launcher): the cleanup
-        return  # the first began goes on (the launcher's SIGKILL still bounds it)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Stopped(signum)
-
-
-def _fail(kind: str, text: str) -> None:
-    slots.tell_launcher(kind, text)
-    sys.exit(1)
-
-
 def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
     """Run `command` as ranks 0..nprocs-1 of one job; return 0 when all end well, else the first failure's
     exit code (128 + N for signal N). A signal to this process stops them all."""
     server = store()
-    folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
     env = {**omp_threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # as torchrun sets it
-    with Signals() as signals:
+    with Signals() as signals, jobdir.job_folder() as folder:
         try:
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
@@ -270,7 +217,6 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
             terminate(procs)
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def relaunch(strategy: Any) -> None:

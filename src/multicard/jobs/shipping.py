@@ -101,6 +101,41 @@ def pack(work: Any, named: Iterable[tuple[str, Any]]) -> bytes:
         raise UsageError(f"what launch sends to the other processes cannot be pickled: {reason}") from None
 
 
+def return_refused(out: Any, error: Exception) -> str:
+    """The line for a return value `out` that dumps refused with `error`: which part of it cannot be sent back."""
+    where, part, error = unsendable(out) or ("", out, error)
+    what = f"its {where} ({_kind(part)})" if where else f"it ({_kind(part)})"
+    return (f"fn's return value on rank 0 cannot come back from its process: {what} cannot be pickled "
+            f"({_reason(error)}); return what it is made of instead (numbers, tensors, a state_dict); what fn did "
+            f"(its files) is kept")
+
+
+def unsendable(obj: Any, path: str = "", seen: set[int] | None = None) -> tuple[str, Any, Exception] | None:
+    """Where in `obj` the first part lies that cannot be sent to another process (a path such as "['lock']" or
+    "[2].cache"; "" for `obj` itself), that part, and why; None where all of `obj` can be sent."""
+    try:
+        dumps(obj)
+        return None
+    except Exception as e:
+        error = e
+    seen = (seen or set()) | {id(obj)}  # a structure that holds itself is looked into once
+    for step, part in _parts(obj):
+        if id(part) not in seen and (found := unsendable(part, path + step, seen)):
+            return found
+    return path, obj, error
+
+
+def _parts(obj: Any) -> list[tuple[str, Any]]:
+    """The parts of a container or a plain object, each with the step that reaches it from `obj`."""
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", value) for i, value in enumerate(obj)]
+    if isinstance(getattr(obj, "__dict__", None), dict) and not isinstance(obj, (type, types.ModuleType)):
+        return [(f".{name}", value) for name, value in vars(obj).items()]
+    return []
+
+
 @contextlib.contextmanager
 def main_left_out() -> Iterator[None]:
     """While processes are started with multiprocessing's spawn: where `__main__` cannot run again, they are

@@ -12,14 +12,12 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
-import re
 import sys
 import threading
 import time
 from typing import Any
 
 FINISH_S = 2.0  # once the processes ended: how long what they printed last may take to arrive
-_LINE = re.compile(r"(?<=[\n\r])")  # after each line end: a progress bar ends its lines with "\r"
 
 
 def relayed(stream: Any, fd: int) -> bool:
@@ -73,17 +71,23 @@ class Relay:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def _pump(self, reader: Any, out: Any) -> None:
-        decoder, pending = codecs.getincrementaldecoder("utf-8")("replace"), ""
+        """Whole lines from `reader` to `out`. Only what arrived is looked at for a line end: a long line without
+        one (16 MB) is gathered in pieces, not looked through again with each piece (the time would grow with its
+        square, and the rank that wrote it would wait on a full pipe, taken for a rank that stopped)."""
+        decoder, pending = codecs.getincrementaldecoder("utf-8")("replace"), []  # pending: a line not ended yet
         fd = reader.fileno()
         try:
             while chunk := os.read(fd, 1 << 16):
-                lines = _LINE.split(pending + decoder.decode(chunk))
-                pending = lines.pop()  # a line not ended yet
-                self._write(out, "".join(lines))
+                text = decoder.decode(chunk)
+                end = max(text.rfind("\n"), text.rfind("\r")) + 1  # a progress bar ends its lines with "\r"
+                if end:
+                    self._write(out, "".join([*pending, text[:end]]))
+                    pending = []
+                pending.append(text[end:])
         except OSError:
             pass
         finally:
-            self._write(out, pending + decoder.decode(b"", final=True))
+            self._write(out, "".join(pending) + decoder.decode(b"", final=True))
             reader.close()
 
     def _write(self, out: Any, text: str) -> None:

@@ -84,6 +84,9 @@ class Strategy:
         """BatchNorm layers that compute their statistics over every process (one process: nothing to do)."""
         return model
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """One line for an optimizer this strategy cannot step (every one can, but fsdp's few)."""
+
     def wrap_loss(self, fn: Callable) -> Callable:
         """fn(outputs, targets) -> batch mean(s); the wrapped one gives the same over the whole local batch."""
         return fn

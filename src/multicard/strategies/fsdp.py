@@ -17,6 +17,17 @@ from torch import nn
 from ..errors import UsageError
 from .ddp import DDP
 
+# torch's optimizers that cannot step fsdp's shards (each parameter a DTensor: 1/N of its rows per process), and why
+REFUSED = {
+    "LBFGS": "it flattens every parameter into one vector, which a shard cannot be where a parameter does not split "
+             "evenly over the processes or has one row",
+    "Rprop": "torch's sharded tensors refuse its in-place indexing",
+    "Adafactor": "torch's sharded tensors refuse its in-place updates",
+    "Muon": "it orthogonalizes each process's rows of a matrix, not the whole matrix: N processes would not take "
+            "one process's steps",
+}
+_guarded: list[bool] = []  # whether this process's optimizer steps are checked (refuse, at each step)
+
 
 class FSDP(DDP):
     name = "fsdp"
@@ -35,7 +46,15 @@ class FSDP(DDP):
         for block in units(model, self.blocks):  # innermost first, the root last
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        if not _guarded:  # an optimizer the user never set up is refused at its first step instead
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _guarded.append(True)
+            register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: refuse(optimizer))
         return model
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        refuse(optimizer)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # sharded in place: the model is its own wrapper
@@ -61,6 +80,20 @@ class FSDP(DDP):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def refuse(optimizer: torch.optim.Optimizer) -> None:
+    """One line for an optimizer in REFUSED (or a subclass of one) over fsdp's shards. Cheap: it runs before every
+    optimizer step of a process that set up an fsdp model."""
+    name = next((c.__name__ for c in type(optimizer).__mro__
+                 if c.__module__.startswith("torch.optim") and c.__name__ in REFUSED), None)
+    if name is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+        raise UsageError(f"fsdp cannot step {name}: {REFUSED[name]}; use ddp (it steps any torch optimizer), or "
+                         f"an optimizer that steps each parameter on its own (SGD, Adam, AdamW, ...)")
 
 
 def units(model: nn.Module, names: str = "") -> list[nn.Module]:

@@ -166,6 +166,8 @@ class TrainConfig:
         if self.workers > (most := max(64, 4 * (os.cpu_count() or 1))):
             raise UsageError(f"--workers {self.workers}: at most {most} DataLoader worker processes per training "
                              f"process on this machine ({os.cpu_count()} CPU cores); 0 to 2 per core is plenty")
+        if not -2**63 <= self.seed < 2**63:  # what torch's generators take
+            raise UsageError(f"--seed {self.seed}: out of range (from {-2**63} to {2**63 - 1})")
         if self.synthetic_samples < 1:
             raise UsageError(f"--synthetic-samples {self.synthetic_samples}: must be at least 1")
         check_timeout(self.timeout)

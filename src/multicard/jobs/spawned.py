@@ -1,0 +1,158 @@
+"""The body of a process that multicard.launch spawned: fn(*args), and what became of it left in the job's folder
+for the launcher (rank 0's return value, or how the rank failed), so that the launcher says what went wrong once.
+
+A rank is quiet where a line is due: a Ctrl-C while it still imports torch (the launcher starts it with SIGINT
+blocked, and the launcher, which got the Ctrl-C too, says the one line), a return value that cannot be sent back,
+a thread fn left running, a script that runs the launch again as each rank starts (no `__main__` guard).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UsageError
+from . import lifeline, shipping, slots, streams
+from .dist import listed
+from .failures import Stopped
+
+UNGUARDED = 86  # how a rank ends that met the launch again as it started (spawn runs the script's top level)
+THREADS_S = 120.0  # how long threads fn left running may take to end, where the job set no timeout
+
+
+def end_if_started_again() -> None:
+    """In a rank still starting (spawn runs the script's top level again, as `__mp_main__`), a launch means the
+    script has no `if __name__ == "__main__":` guard: end at once, quietly, for the launcher to say so
+    (multiprocessing would refuse with a page of traceback per rank)."""
+    import multiprocessing
+
+    me = multiprocessing.current_process()
+    if getattr(me, "_inheriting", False) and me.name.startswith("multicard rank "):
+        sys.exit(UNGUARDED)
+
+
+def unguarded() -> str:
+    """What the launcher says when its ranks ended with UNGUARDED."""
+    script = os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "the script")
+    return (f"{script} calls multicard.launch (or train) at its top level, which every process it starts runs again: "
+            f"put that call under `if __name__ == \"__main__\":`")
+
+
+def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str], ends: list = ()) -> None:
+    """fn(*args) (pickled in `work`) as rank `rank`; `env`: the job's variables; `ends`: the pipes its stdout and
+    stderr go to, where the launcher shows them itself (a notebook)."""
+    lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
+    streams.take(ends)
+    os.environ.update(env)
+    try:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C: its cleanup runs
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                signal.signal(s, _raise_stopped)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C held since the start arrives now
+        fn, args = _unpickled(work, rank)
+        shipping.workers_by_fork()
+        out = fn(*args)
+        if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
+            raise KeyboardInterrupt if _signalled[0] == signal.SIGINT else Stopped(_signalled[0])
+        if rank == 0:
+            _send(out, folder)
+    except KeyboardInterrupt:  # SIGINT to this process alone: the job fails, naming it (never an exit 0)
+        _fail("said", f"rank {rank} was interrupted (SIGINT)")
+    except Stopped as e:
+        _fail("said", f"rank {rank} was stopped by {e}")
+    except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
+        _fail("usage", str(e))
+    except Exception as e:
+        slots.failed(e)
+        _fail("trace", traceback.format_exc())
+    _watch_threads(rank)
+
+
+def _send(out: Any, folder: str) -> None:
+    """Rank 0's return value into the job's folder (an instance of a class a notebook defined comes back as one).
+    One that cannot be pickled is one line naming the part that cannot; what fn did stays done."""
+    try:
+        data = shipping.dumps(out)
+    except Exception as e:  # pickling fails with many kinds: TypeError, PicklingError, AttributeError, ...
+        raise UsageError(shipping.return_refused(out, e)) from None
+    with open(os.path.join(folder, "result"), "wb") as f:
+        f.write(data)
+
+
+def _unpickled(work: bytes, rank: int) -> tuple[Callable, tuple]:
+    """fn and its arguments. The modules they come from are imported here as modules: with no command line (the
+    launcher's flags are not theirs: a top-level argparse would refuse them), and one that ends the program when
+    imported fails the job in a line."""
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return pickle.loads(work)
+    except SystemExit as e:
+        _fail("usage", f"importing what rank {rank} runs ended the program (exit {e.code}): a module "
+                       f"that runs a script at import? put that under `if __name__ == \"__main__\":`")
+    finally:
+        sys.argv = argv
+
+
+_signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    _signalled.append(signum)
+    if len(_signalled) > 1:  # a second signal (SIGHUP to the group, then SIGTERM from the launcher): the cleanup
+        return  # the first began goes on (the launcher's SIGKILL still bounds it)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(signum)
+
+
+def _fail(kind: str, text: str) -> None:
+    slots.tell_launcher(kind, text)
+    if _running():  # threads fn left running: Python would wait for them, and the failure would never be told
+        _end(1)
+    sys.exit(1)
+
+
+def _running() -> list[threading.Thread]:
+    """The threads still running that Python waits for before this process ends (not daemons)."""
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+
+
+def _watch_threads(rank: int) -> None:
+    """fn returned: Python now waits without limit for the threads it left running (not daemons), and the launch
+    with it. They get the job's timeout (after their exit handlers: an idle ThreadPoolExecutor ends at once); then
+    a watch ends this process without those still running, naming them."""
+    timeout = slots.progress_slot()[1] or THREADS_S
+
+    def end() -> None:
+        if left := _running():
+            names, several = listed([repr(t.name) for t in left]), len(left) > 1
+            print(f"multicard: rank {rank}: fn returned, but its thread{'s' * several} {names} still ran {timeout:g} "
+                  f"s later (the job's timeout); this rank ended without {'them' if several else 'it'}: join threads "
+                  f"before fn returns, or start them with daemon=True", file=sys.stderr, flush=True)
+            os._exit(0)
+
+    watch = threading.Timer(timeout, end)
+    watch.daemon, watch.name = True, "multicard thread watch"
+    watch.start()
+
+
+def _end(code: int) -> None:
+    """End this process now, without waiting for its threads: what a process does on its way out (multiprocessing's
+    finalizers, the exit handlers, its streams flushed) first. For a failed rank: the launcher learns of the failure
+    only once the process has ended."""
+    from multiprocessing import util
+
+    util._exit_function()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -1,0 +1,312 @@
+"""Issue 33's tracebacks where a line was due, and its smaller items: a return value that cannot come back, Ctrl-C
+while the ranks import torch, an optimizer fsdp cannot step, a launch without the `__main__` guard, an integer flag
+past 64 bits, a long line relayed to a notebook, a thread fn leaves running, the folders of SIGKILLed launchers.
+Each job runs in a child process with a time limit, so a regression fails instead of hanging the suite."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import multicard
+from conftest import run_cli
+from multicard.errors import UsageError
+from multicard.jobs import jobdir, shipping, streams
+from multicard.trainer.config import TrainConfig
+from test_faults import clean_env
+
+CATCH = """
+import sys
+from multicard.errors import UsageError
+from multicard.jobs.failures import Stopped
+try:
+    main()
+except (UsageError, Stopped) as e:  # the line the launcher says, as a user's script would print it
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def script(tmp_path, body: str, guarded: bool = True) -> list[str]:
+    """A script file of `body` (defining main()) whose launch error or stop is printed as one line."""
+    path = tmp_path / "job.py"
+    catch = textwrap.indent(CATCH, "    ") if guarded else CATCH
+    path.write_text(textwrap.dedent(body) + ('\nif __name__ == "__main__":' if guarded else "") + catch)
+    return [sys.executable, str(path)]
+
+
+def run(command: list[str], tmp_path, timeout: float = 90, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                          env={**clean_env(), "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}, **kw)
+
+
+# -- a return value that cannot come back -------------------------------------------------------------------------
+def test_a_return_value_that_cannot_be_pickled_is_one_line_naming_it_and_the_work_is_kept(tmp_path):
+    done = run(script(tmp_path, """
+        import threading, multicard
+        def job(mc):
+            open(f"done-{mc.rank}", "w").close()
+            return {"weights": [1.0, 2.0], "lock": threading.Lock()}
+        def main():
+            multicard.launch(job, devices="cpu:2")
+    """), tmp_path)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "UsageError: fn's return value on rank 0 cannot come back from its process: its ['lock'] (a lock) cannot be "
+        "pickled (cannot pickle '_thread.lock' object); return what it is made of instead (numbers, tensors, a "
+        "state_dict); what fn did (its files) is kept"], done.stderr
+    assert (tmp_path / "done-0").exists() and (tmp_path / "done-1").exists()
+
+
+class Holder:
+    def __init__(self):
+        self.steps = [1, (i for i in range(3))]
+
+
+def test_what_cannot_come_back_is_found_where_it_lies():
+    assert shipping.unsendable({"a": 1, "b": [2.0, torch.ones(2)]}) is None
+    where, part, _ = shipping.unsendable({"fine": 1, "model": Holder()})
+    assert where == "['model'].steps[1]" and part.__class__.__name__ == "generator"
+    looped = {"self": None, "gen": (i for i in range(2))}
+    looped["self"] = looped
+    assert shipping.unsendable(looped)[0] == "['gen']"
+    assert "it (a generator) cannot be pickled" in shipping.return_refused(looped["gen"], TypeError("x"))
+
+
+# -- Ctrl-C while the ranks import torch --------------------------------------------------------------------------
+def ranks_of(pid: int) -> list[int]:
+    """The processes multiprocessing's spawn started under `pid` (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and spawned:
+            found.append(int(entry))
+    return found
+
+
+def importing_torch(pid: int) -> bool:
+    """Whether process `pid` has loaded torch's library: its import has begun, and goes on a second or more."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_ctrl_c_while_the_ranks_import_torch_is_one_line(tmp_path, how):
+    """A script file: each rank imports torch as it runs the script's top level again; `python -`: as it unpickles
+    fn. A Ctrl-C (SIGINT to the whole process group, as a terminal sends it) in those first seconds."""
+    body = """
+        import time
+        import torch  # slow: a second or more, in every rank too
+        import multicard
+        def job(mc):
+            time.sleep(60)
+        def main():
+            multicard.launch(job, devices="cpu:2")
+    """
+    command = script(tmp_path, body)
+    if how == "stdin":
+        command = [sys.executable, "-"]
+    launcher = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path, env={**clean_env(), "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    if how == "stdin":
+        launcher.stdin.write((tmp_path / "job.py").read_text())
+    launcher.stdin.close()
+    deadline = time.monotonic() + 60
+    while not any(map(importing_torch, ranks_of(launcher.pid))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(launcher.pid, signal.SIGINT)
+    try:
+        err = launcher.stderr.read()
+        assert launcher.wait(60) == 2
+    finally:
+        launcher.kill()
+    assert err.splitlines() == ["Stopped: SIGINT"], err
+
+
+# -- an optimizer fsdp cannot step --------------------------------------------------------------------------------
+def test_lbfgs_under_fsdp_is_refused_at_setup_and_at_its_first_step_in_one_line():
+    with multicard.Multicard("fsdp", "cpu") as mc:
+        model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+        optimizer = torch.optim.LBFGS(model.parameters())
+        with pytest.raises(UsageError, match=r"^fsdp cannot step LBFGS: it flattens every parameter into one vector"):
+            mc.setup_optimizers(optimizer)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = model(torch.ones(2, 4)).sum()
+            mc.backward(loss)
+            return loss
+
+        with pytest.raises(UsageError, match=r"^fsdp cannot step LBFGS: .*; use ddp \(it steps any torch optimizer\)"):
+            optimizer.step(closure)  # never set up: refused as it steps, not with torch's DTensor error
+        sgd = mc.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        closure()
+        sgd.step()
+    plain = nn.Linear(2, 1)  # an LBFGS over plain tensors in the same process steps as ever
+    lbfgs = torch.optim.LBFGS(plain.parameters())
+    lbfgs.step(lambda: plain(torch.ones(1, 2)).sum())
+
+
+# -- a launch without the __main__ guard --------------------------------------------------------------------------
+def test_a_launch_at_the_top_level_of_a_script_is_one_line_saying_what_to_add(tmp_path):
+    done = run(script(tmp_path, """
+        import multicard
+        def job(mc):
+            return mc.rank
+        def main():
+            print(multicard.launch(job, devices="cpu:2"))
+    """, guarded=False), tmp_path)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "UsageError: job.py calls multicard.launch (or train) at its top level, which every process it starts runs "
+        "again: put that call under `if __name__ == \"__main__\":`"], done.stderr
+
+
+# -- integer flags past 64 bits -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [("train", "--seed"), ("train", "--eval-batch-size"), ("check", "--seed"),
+                                     ("bench", "--seed"), ("bench", "--samples")])
+def test_an_integer_flag_past_64_bits_is_one_line(command):
+    big = "1" + "0" * 23
+    done = run_cli(*command, big, timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"multicard {command[0]}: {command[1]} {big}: out of range (from -9223372036854775808 to "
+        f"9223372036854775807) (see multicard {command[0]} --help)"], done.stderr
+
+
+def test_a_seed_past_64_bits_is_refused_by_the_library_too():
+    with pytest.raises(UsageError, match=r"^--seed -100000000000000000000000: out of range"):
+        TrainConfig(seed=-10**23).validate()
+    TrainConfig(seed=2**63 - 1).validate()
+
+
+# -- the relay of a rank's output to a notebook -------------------------------------------------------------------
+def test_a_long_line_without_a_newline_is_relayed_in_linear_time():
+    """16 MB in one line: a relay that looks through the whole line again with each 64 KB took 52 s (and the rank
+    writing it waited on the full pipe meanwhile); the bound here is a hundredfold what a linear relay needs."""
+    relay, out = streams.Relay.__new__(streams.Relay), io.StringIO()
+    relay.lock = threading.Lock()
+    reader, writer = os.pipe()
+    line = b"x" * (16 << 20)
+
+    def write() -> None:
+        with open(writer, "wb") as f:
+            f.write(line + b"\rend\n")
+
+    threading.Thread(target=write, daemon=True).start()
+    began = time.monotonic()
+    relay._pump(open(reader, "rb", buffering=0), out)
+    assert time.monotonic() - began < 10
+    assert out.getvalue() == line.decode() + "\rend\n"
+
+
+# -- a thread fn leaves running -----------------------------------------------------------------------------------
+THREADS = """
+    import sys, threading, time, multicard
+    from concurrent.futures import ThreadPoolExecutor
+    from multicard.jobs.failures import RankFailed
+    def job(mc, fail):
+        if mc.rank == 1:
+            threading.Thread(target=time.sleep, args=(600,), name="uploader").start()
+            if fail:
+                raise ValueError("after the thread started")
+        ThreadPoolExecutor(2).submit(print, end="")  # idle, not shut down: it ends with its process, as ever
+        return mc.rank + 41
+    def main():
+        if sys.argv[1] == "fail":
+            try:
+                multicard.launch(job, True, devices="cpu:2", timeout=60)
+            except RankFailed as e:
+                print(f"rank {e.rank} failed", file=sys.stderr)
+        else:
+            print(multicard.launch(job, False, devices="cpu:2", timeout=2))
+"""
+
+
+def test_a_thread_fn_leaves_running_is_named_once_the_timeout_passed_and_the_launch_returns(tmp_path):
+    done = run([*script(tmp_path, THREADS), "return"], tmp_path, timeout=60)
+    assert done.returncode == 0 and done.stdout == "41\n", done.stderr
+    assert done.stderr.splitlines() == [
+        "multicard: rank 1: fn returned, but its thread 'uploader' still ran 2 s later (the job's timeout); this rank "
+        "ended without it: join threads before fn returns, or start them with daemon=True"], done.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_with_a_thread_left_running_is_told_at_once(tmp_path):
+    done = run([*script(tmp_path, THREADS), "fail"], tmp_path, timeout=50)  # well within the job's 60 s
+    assert done.returncode == 0 and done.stderr.splitlines()[-1] == "rank 1 failed", done.stderr
+
+
+# -- the folders of SIGKILLed launchers ---------------------------------------------------------------------------
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_only_a_dead_launchers_own_folders_are_cleaned(tmp_path):
+    import fcntl
+
+    root, victim, dead = tmp_path / "tmp", tmp_path / "victim", dead_pid()
+    (victim / "kept").mkdir(parents=True)
+    stale = root / f"multicard-job-{dead}-abc"
+    (stale / "inner").mkdir(parents=True)
+    (stale / "inner" / "link").symlink_to(victim)  # removed as a link, never followed
+    alive = root / f"multicard-job-{os.getpid()}-abc"  # its launcher runs (this process)
+    locked = root / f"multicard-job-{dead}-locked"  # its pid is gone, but someone holds its lock
+    older = root / "multicard-job-abcd1234"  # an earlier version's: whose it was cannot be told
+    for folder in (alive, locked, older):
+        folder.mkdir()
+    (root / f"multicard-job-{dead}-link").symlink_to(victim)
+    (root / f"multicard-job-{dead}-file").write_text("")
+    held = os.open(locked, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert jobdir.clean_stale(str(root)) == [str(stale)]
+    finally:
+        os.close(held)
+    assert (victim / "kept").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [alive.name, locked.name, older.name, f"multicard-job-{dead}-link", f"multicard-job-{dead}-file"])
+
+
+@pytest.mark.slow
+def test_a_sigkilled_launchers_folder_is_removed_at_the_next_start(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    command = script(tmp_path, """
+        import sys, time, multicard
+        def job(mc, wait):
+            time.sleep(wait)
+        def main():
+            multicard.launch(job, float(sys.argv[1]), devices="cpu:2")
+    """)
+    killed = subprocess.Popen([*command, "60"], cwd=tmp_path, env={**clean_env(), "TMPDIR": str(tmp)},
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len(ranks_of(killed.pid)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    assert len(list(tmp.glob("multicard-job-*"))) == 1
+    done = run([*command, "0"], tmp_path, env={"TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr
+    assert list(tmp.glob("multicard-job-*")) == []
