@@ -304,6 +304,11 @@ def test_multicard_run_passes_its_flags_to_the_scripts_multicard(tmp_path):
     assert out.stderr.startswith("multicard: error: after optimizer step 3: the replicas parted: the optimizer's lr "
                                  "(param group 0) is 0.05 on rank 0, 0.1 on rank 1 (and 2 more"), out.stderr
     assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
+@pytest.mark.slow
+def test_multicard_run_can_make_it_warn(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT)
     out = run_cli("run", "--devices", "cpu:2", "--replica-check", "warn", "--replica-check-every", "2",
                   str(tmp_path / "job.py"))
     assert out.returncode == 0 and out.stdout.count("done") == 2, out.stderr
