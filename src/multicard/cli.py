@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from .errors import UsageError
-from .trainer.config import STRATEGIES, TrainConfig
+from .trainer.config import REPLICA_CHECKS, STRATEGIES, TrainConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -165,7 +165,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     except UsageError as e:
         raise UsageError(f"run: {e}") from None
     command = ["-m"] * args.module + [args.script, *args.args]
-    return run_command([sys.executable, *command], strategy.processes, job_choice(strategy))
+    return run_command([sys.executable, *command], strategy.processes, {**job_choice(strategy), **replicas_env(args)})
+
+
+def replicas_env(args: argparse.Namespace) -> dict[str, str]:
+    """run's --replica-check flags, for the script's Multicard (front/replicas.py reads them): only those given."""
+    from .front.replicas import EVERY_VAR, MODE_VAR
+
+    if args.replica_check_every is not None and args.replica_check_every < 1:
+        raise UsageError(f"--replica-check-every {args.replica_check_every}: must be at least 1")
+    given = ((MODE_VAR, args.replica_check), (EVERY_VAR, args.replica_check_every))
+    return {name: str(value) for name, value in given if value is not None}
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -211,6 +221,11 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (ddp on 2+ devices, else single), single, ddp, dp, dp-balanced or fsdp (default: auto)")
     r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
                    "(default: auto)")
+    r.add_argument("--replica-check", choices=REPLICA_CHECKS, help="where the processes' models part: stop "
+                   "naming what differs, warn once, or off (default: the script's Multicard(replica_check=...), else "
+                   "stop)")
+    r.add_argument("--replica-check-every", type=value(int), metavar="K", help="optimizer steps between replica "
+                   "checks (default: the script's, else 100)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
     r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
     r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -32,11 +32,12 @@ from .loggers import make_loggers
 from .precision import PRECISIONS
 from .prepared import Prepared
 from .processes import launched, make_strategy
+from .replicas import ReplicaCheck, Replicas
 from .saving import Checkpoints
 from .steps import Steps
 
 
-class Multicard(Between, Checkpoints, Steps):
+class Multicard(Between, Checkpoints, Replicas, Steps):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -55,12 +56,17 @@ class Multicard(Between, Checkpoints, Steps):
     loggers: where mc.log(metrics, step) writes: "tensorboard" (event files under `log_dir`; needs
     `pip install 'multicard[tensorboard]'`), any object with log(metrics, step) (and close(), called by
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
+    replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
+    compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
+    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). None: multicard run's
+    --replica-check / --replica-check-every, else the defaults.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
                  find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
-                 loggers: Any = None, log_dir: str | Path = "runs/logs"):
+                 loggers: Any = None, log_dir: str | Path = "runs/logs", replica_check: str | None = None,
+                 replica_check_every: int | None = None):
         self.job = job_from_env()
         strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
@@ -70,6 +76,7 @@ class Multicard(Between, Checkpoints, Steps):
         self._skipped: torch.Tensor | None = None
         self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
         self.loggers: list = make_loggers(loggers, log_dir)
+        self._replicas = ReplicaCheck(strategy, replica_check, replica_check_every)
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -139,8 +146,8 @@ class Multicard(Between, Checkpoints, Steps):
             raise UsageError("launch(fn) must come before anything else on this Multicard")
         named = (("fn", fn), *((f"argument {i}", a) for i, a in enumerate(args, 1)), ("loggers", self.loggers))
         return launcher.spawn(launched, self._strategy.processes, (type(self), self._strategy, self.precision,
-                                                                      self.sync_batchnorm, fn, args, self.loggers),
-                              named=named)
+                                                                      self.sync_batchnorm, fn, args, self.loggers,
+                                                                      self._replicas.settings), named=named)
 
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:
@@ -165,6 +172,7 @@ class Multicard(Between, Checkpoints, Steps):
             if callable(getattr(logger, "close", None)):
                 logger.close()
         if self._state == "started":
+            self._replicas.close()
             self._strategy.stop()
         self._state = "closed"
 
@@ -187,9 +195,12 @@ class Multicard(Between, Checkpoints, Steps):
                              "after model = mc.setup(model), over model.parameters()")
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
-        forward = self._strategy.wrap_model(model.to(self.device))
+        name, model = type(model).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
+        self._replicas.sharding(model)
+        forward = self._strategy.wrap_model(model)
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
                             reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
+        self._replicas.set_up(model, name, list(prepared.parameters()))
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -199,6 +210,8 @@ class Multicard(Between, Checkpoints, Steps):
         self._start()
         for optimizer in optimizers:
             closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
+            self._replicas.watch(optimizer)
+        self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     @property

@@ -45,11 +45,12 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
 
 
 def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bool, fn: Callable, args: tuple,
-             loggers: list) -> Any:
+             loggers: list, replicas: tuple[str, int]) -> Any:
     """The body of a process that Multicard.launch spawned: `front` is the Multicard class (handed in, as the
-    class imports this module)."""
+    class imports this module); `replicas`: the replica check's mode and steps between checks."""
     mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
-                   timeout=strategy.timeout_s, loggers=loggers)
+                   timeout=strategy.timeout_s, loggers=loggers, replica_check=replicas[0],
+                   replica_check_every=replicas[1])
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     try:
         return mc.launch(fn, *args)

@@ -113,6 +113,7 @@ def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict
     own = raw.pop(OWN, None) if isinstance(raw, dict) else None
     if own is not None:
         _restore(mc, path, own)
+    mc._replicas.loaded(path, state)
     return raw
 
 

@@ -27,6 +27,8 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+REPLICA_CHECKS = ("stop", "warn", "off")  # front/replicas.py's modes
+REPLICA_CHECK_EVERY = 100  # front/replicas.py's EVERY (tests/test_replicas.py holds them equal)
 
 
 @dataclass
@@ -128,6 +130,11 @@ class TrainConfig:
     # a LeNet-5 step takes milliseconds: 120 s without progress is a frozen or missing process, never slowness
     timeout: float = opt(120.0, "seconds a collective or the rendezvous may wait for a process before the job "
                          "stops, naming it")
+    # the promise checked: N processes hold one model; a fingerprint of it compared costs under 1% of the steps
+    replica_check: str = opt("stop", "2+ processes: where the processes' models part (compared after setup, a "
+                             "resume and every --replica-check-every steps): stop naming what differs, warn once, or "
+                             "off", choices=REPLICA_CHECKS)
+    replica_check_every: int = opt(REPLICA_CHECK_EVERY, "optimizer steps between replica checks")
 
     # output
     quiet: bool = opt(False, "no progress bar, no per-epoch lines, no list of the files written")
@@ -160,7 +167,8 @@ class TrainConfig:
                                    ("--accumulate", self.accumulate, 1), ("--save-every", self.save_every, 0),
                                    ("--save-every-steps", self.save_every_steps, 0),
                                    ("--keep-checkpoints", self.keep_checkpoints, 0),
-                                   ("--max-restarts", self.max_restarts, 0)):
+                                   ("--max-restarts", self.max_restarts, 0),
+                                   ("--replica-check-every", self.replica_check_every, 1)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
         if self.workers > (most := max(64, 4 * (os.cpu_count() or 1))):
@@ -191,7 +199,8 @@ class TrainConfig:
         for flag, value, allowed in (("--strategy", self.strategy, STRATEGIES), ("--optimizer", self.optimizer,
                                      OPTIMIZERS), ("--scheduler", self.scheduler, SCHEDULERS),
                                      ("--precision", self.precision, PRECISIONS),
-                                     ("--compile-mode", self.compile_mode, COMPILE_MODES)):
+                                     ("--compile-mode", self.compile_mode, COMPILE_MODES),
+                                     ("--replica-check", self.replica_check, REPLICA_CHECKS)):
             if value not in allowed:
                 raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")
 

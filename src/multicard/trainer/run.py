@@ -72,7 +72,8 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     mc = Multicard(config.strategy, config.devices, config.precision,
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
-                   timeout=config.timeout)
+                   timeout=config.timeout, replica_check=config.replica_check,
+                   replica_check_every=config.replica_check_every)
     batch_given = config.batch_size is not None
     chosen = batch_given or config.accumulate > 1  # the batch given, not the auto one
     # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)

@@ -1,0 +1,243 @@
+"""The replica check: the processes of a job compare a fingerprint of what each holds, so that replicas that part
+are caught, whatever the cause (rank-dependent code, a state loaded on one rank, an update outside backward, a
+non-deterministic kernel, a bit-flip). Multicard holds one (mc._replicas); docs/your-loop.md says what it sees.
+
+Checked right after setup (fsdp: before it shards the model, as fully_shard, unlike DDP, copies no weights from
+rank 0), after mc.load, every `every` optimizer steps, and by hand (mc.check_replicas()). The steps counted are
+calls of step() on an optimizer that went through mc.setup / mc.setup_optimizers (an fp16 step the scaler
+skipped counts too: the count never depends on what a rank holds), else steps of any optimizer over a set-up
+model's parameters (a process-wide hook of torch). Between checks it costs a counter: no host sync.
+
+What is compared, and its exact fingerprint: fingerprints.py. One max-reduce of [f, -f] gives every rank the max
+and the min, so every rank sees the same verdict and all stop together. Only a check that fails does more: it
+learns each rank's value and the largest difference, to say it in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ..errors import UsageError
+from ..jobs.slots import watched
+from ..strategies import Strategy
+from .fingerprints import entries, fingerprints, shape
+
+MODES = ("stop", "warn", "off")
+EVERY = 100  # steps between checks: 0.12% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
+MODE_VAR, EVERY_VAR = "MULTICARD_REPLICA_CHECK", "MULTICARD_REPLICA_CHECK_EVERY"  # what multicard run passes on
+CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "
+          "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
+          "kernel; to go on anyway: Multicard(replica_check='warn' or 'off'), multicard run/train --replica-check "
+          "warn|off")
+
+
+class ReplicasParted(UsageError):
+    """The processes' replicas differ: one line naming when, what, the ranks and the largest difference."""
+
+
+def settle(mode: str | None, every: int | None) -> tuple[str, int]:
+    """The mode and the steps between checks: as given, else from multicard run's flags (the environment),
+    else stop and EVERY; a bad value is one line."""
+    if mode is None:
+        mode = os.environ.get(MODE_VAR, "stop")
+        said = f"{MODE_VAR}={mode} (multicard run --replica-check)"
+    else:
+        said = f"replica_check={mode!r}"
+    if mode not in MODES:
+        raise UsageError(f"{said}: choose stop, warn or off")
+    if every is None:
+        text = os.environ.get(EVERY_VAR, str(EVERY))
+        if not text.strip().isdigit():
+            raise UsageError(f"{EVERY_VAR}={text} (multicard run --replica-check-every): not a whole number")
+        every, said = int(text), f"{EVERY_VAR}={text}"
+    else:
+        said = f"replica_check_every={every!r}"
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UsageError(f"{said}: the optimizer steps between replica checks, a whole number of 1 or more")
+    return mode, every
+
+
+class ReplicaCheck:
+    """What one Multicard compares: the models and optimizers set up through it. Inactive (nothing hooked, no
+    cost) on one process or when off."""
+
+    def __init__(self, strategy: Strategy, mode: str | None = None, every: int | None = None):
+        self.mode, self.every = settle(mode, every)
+        self.strategy, self.steps, self.warned, self.closed = strategy, 0, False, False
+        self.models: list[tuple[str, nn.Module]] = []  # (the model's class name, the user's model)
+        self.optimizers: list[torch.optim.Optimizer] = []  # set up: their step() calls are counted here
+        self.params: set[int] = set()  # ids of the set-up models' parameters (to recognise other optimizers)
+        self.others: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # other optimizer: over a set-up model?
+        self.hook: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off" and self.strategy.world > 1 and not self.closed
+
+    @property
+    def settings(self) -> tuple[str, int]:
+        return self.mode, self.every
+
+    # -- what is compared ------------------------------------------------------------------------------------
+    def sharding(self, model: nn.Module) -> None:
+        """Before fsdp shards `model`: each process's whole model must be the same (no weights are copied)."""
+        if self.active and getattr(self.strategy, "sharded", False):
+            self.compare("at mc.setup, before fsdp shards the model (it copies no weights between processes: "
+                         "build the model alike on every rank, e.g. after torch.manual_seed, or load it on every "
+                         "rank)", [(type(model).__name__, model)], params=True, optimizers=[])
+
+    def set_up(self, model: nn.Module, name: str, parameters: list[nn.Parameter]) -> None:
+        """A set-up model (`name`: its class's), compared from now on (by hand only, where the check is off)."""
+        if self.strategy.world > 1:
+            self.models.append((name, model))
+            self.params.update(map(id, parameters))
+        if self.active and self.hook is None:
+            self.hook = register_optimizer_step_post_hook(self._any_step)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """A set-up optimizer: its settings compared, its step() calls counted (a bound method still, so LR
+        schedulers wrap it as usual)."""
+        if self.strategy.world == 1 or any(optimizer is o for o in self.optimizers):
+            return
+        self.optimizers.append(optimizer)
+        if not self.active:
+            return
+        plain, busy = optimizer.step, []
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if busy:  # fp16: GradScaler.step calls optimizer.step itself; one call of the loop's is one step
+                return plain(*args, **kwargs)
+            busy.append(True)
+            try:
+                out = plain(*args, **kwargs)
+            finally:
+                busy.clear()
+            self.stepped()
+            return out
+
+        if hasattr(plain, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True
+        optimizer.step = step.__get__(optimizer)
+
+    def _any_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's post-step hook, for every optimizer in the process: counts those over a set-up model that
+        did not go through mc.setup (those that did are counted by their own step)."""
+        if optimizer not in self.others:
+            self.others[optimizer] = not any(optimizer is o for o in self.optimizers) and any(
+                id(p) in self.params for group in optimizer.param_groups for p in group["params"])
+        if self.others[optimizer]:
+            self.stepped()
+
+    def stepped(self) -> None:
+        self.steps += 1
+        if self.steps % self.every == 0 and not self.warned:
+            self.check(f"after optimizer step {self.steps}", first=False)
+
+    def loaded(self, path: Any, state: dict | None) -> None:
+        """After mc.load restored `state` (every process must call it then): a state loaded alike?"""
+        if state is not None:
+            self.check(f"after mc.load({str(path)!r})")
+
+    def close(self) -> None:
+        """The process group goes down: nothing is compared any more."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        self.closed = True
+
+    # -- comparing -------------------------------------------------------------------------------------------
+    def check(self, when: str, by_hand: bool = False, first: bool = True) -> bool:
+        """Compare the set-up models and optimizers now (every process must call it). True where all agree.
+        `first`: agree on what is compared (names, shapes, dtypes) in a collective of its own, before the
+        fingerprints (whose collective needs the same length everywhere); the periodic checks skip it."""
+        if not (self.active or by_hand and self.strategy.world > 1) or not (self.models or self.optimizers):
+            return True
+        return self.compare(when, self.models, params=not getattr(self.strategy, "sharded", False),
+                            optimizers=self.optimizers, first=first)
+
+    def compare(self, when: str, models: list, params: bool, optimizers: list, first: bool = True) -> bool:
+        found = entries(models, params, optimizers)
+        with torch.no_grad(), watched():
+            line = self._unlike(when, found) if first else None
+            if line is None:
+                mine, owners = fingerprints(found, self.strategy.device)
+                both = self.strategy.all_reduce(torch.cat([mine, -mine]), "max")  # every rank: the max and -min
+                differ = torch.nonzero(both[:len(mine)] != -both[len(mine):]).flatten().tolist()  # the host sync
+                if not differ:
+                    return True
+                more = len({owners[i] for i in differ}) - 1
+                also = f" (and {more} more tensor{'s' * (more > 1)} or setting{'s' * (more > 1)})" if more else ""
+                label, value = found[owners[differ[0]]]
+                line = f"{when}: the replicas parted: {self._explain(label, value, mine[differ[0]])}{also}; {CAUSES}"
+        if self.mode == "warn":
+            self.warned = True  # said once: they stay parted, and the automatic checks stop
+            if self.strategy.is_main:
+                print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
+            return False
+        raise ReplicasParted(line)
+
+    def _unlike(self, when: str, found: list) -> str | None:
+        """None where every rank compares the same names, shapes and dtypes; else the line naming the first
+        that differs."""
+        layout = [(label, shape(value)) for label, value in found]
+        crc = zlib.crc32(repr(layout).encode())
+        seen = self.strategy.all_reduce(torch.tensor([crc, -crc], device=self.strategy.device), "max").tolist()
+        if seen == [crc, -crc]:
+            return None
+        everyone = self.strategy.gather(layout)
+        where = next((i for i, row in enumerate(zip(*everyone, strict=False)) if len(set(row)) > 1), None)
+        what = ", ".join(f"rank {r}: {len(part)} entries" if where is None else f"rank {r}: {' '.join(part[where])}"
+                         for r, part in enumerate(everyone))
+        return f"{when}: the processes' models or optimizers are not built alike ({what}); build them alike"
+
+    def _explain(self, label: str, value: Any, fingerprint: torch.Tensor) -> str:
+        """What differs, from collectives every rank takes alike: each rank's fingerprint of it, then each rank's
+        value of a setting, or a tensor's largest difference from rank 0's."""
+        world = self.strategy.world
+        values = self._each(fingerprint).tolist()
+        others = [r for r in range(1, world) if values[r] != values[0]]
+        if not isinstance(value, torch.Tensor):
+            shown = self.strategy.gather(repr(value))
+            return f"{label} is {', '.join(f'{shown[r]} on rank {r}' for r in [0, *others])}"
+        reference = value.detach().clone()
+        self.strategy.broadcast_tensor(reference, 0)
+        gap = (value.detach().double() - reference.double()).abs()
+        largest = self._each(gap.max() if gap.numel() else gap.new_zeros(())).tolist()
+        worst = max(others, key=lambda r: largest[r] if largest[r] == largest[r] else float("inf"))  # nan first
+        size = f"by up to {largest[worst]:.4g}" if largest[worst] else "in its bits only (-0.0 against 0.0, or NaNs)"
+        alike = len(others) > 1 and len({values[r] for r in others}) == 1  # then rank 0 may be the odd one out
+        on = f"rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}{' (alike)' * alike}"
+        size += f" (on rank {worst})" if len(others) > 1 and not alike else ""
+        agree = [r for r in range(1, world) if r not in others]
+        same = f"; rank{'s' * (len(agree) > 1)} {', '.join(map(str, agree))} agree{'s' * (len(agree) == 1)} with " \
+               f"rank 0" if agree else ""
+        buffer = " (a buffer: under ddp each forward copies rank 0's buffers to the others, so their own updates " \
+                 "are lost; reduce it over the processes, or update it alike on every rank)" \
+            if label.startswith("buffer") else ""
+        return f"{label} differs on {on} from rank 0's {size}{same}{buffer}"
+
+    def _each(self, value: torch.Tensor) -> torch.Tensor:
+        """Every rank's `value` (a number), in rank order, on every rank: one small sum-reduce."""
+        slots = torch.zeros(self.strategy.world, dtype=value.dtype, device=self.strategy.device)
+        slots[self.strategy.rank] = value
+        return self.strategy.all_reduce(slots, "sum").cpu()
+
+
+class Replicas:
+    """The method of Multicard (uses its _start() and _replicas)."""
+
+    def check_replicas(self) -> bool:
+        """Compare the replicas now: every process must call it (e.g. before a save). The set-up models'
+        parameters (not fsdp's shards) and buffers (not BatchNorm's running statistics) and the set-up
+        optimizers' settings; where they differ, one line naming what, the ranks and the largest difference,
+        raised (replica_check "stop" or "off") or printed on rank 0 ("warn": then it returns False)."""
+        self._start()
+        return self._replicas.check("at mc.check_replicas()", by_hand=True)
