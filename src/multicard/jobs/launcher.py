@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import lifeline, shipping, slots, streams
-from .devices import omp_threads
+from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
 
@@ -237,7 +237,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
     server = store()
     folder = tempfile.mkdtemp(prefix="multicard-job-")
     procs: list[subprocess.Popen] = []
-    env = {**omp_threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # as torchrun sets it
+    env = {**openmp_env(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # threads, and how they wait
     with Signals() as signals:
         try:
             parent = os.getpid()
