@@ -25,7 +25,7 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
-from ..strategies import Strategy
+from ..strategies import Strategy, syncbn
 from . import closure, memory
 from .between import Between
 from .loggers import make_loggers
@@ -187,6 +187,7 @@ class Multicard(Between, Checkpoints, Steps):
                              "after model = mc.setup(model), over model.parameters()")
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
+        syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         forward = self._strategy.wrap_model(model.to(self.device))
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
                             reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
