@@ -150,8 +150,8 @@ def others_running() -> int:
 
 # OpenMP's idle threads spin for a while before they sleep (libgomp: ~300,000 turns after each parallel region),
 # and every region waits for its slowest thread. Where other work holds the cores, a spinning thread keeps from
-# a core the very thread it waits for: the main job beside other jobs on 2 cores took 10x as long as with
-# PASSIVE waiting, which sleeps at once and computes the same numbers (benchmarks/busy_machine.py). On an idle
+# a core the very thread it waits for: the main job's epochs beside busy processes on 2 cores took 8x as long as
+# with PASSIVE waiting, which sleeps at once and computes the same numbers (benchmarks/busy_machine.py). On an idle
 # machine the spin is what makes back-to-back regions quick, so it is kept there. The OpenMP runtime reads the
 # variable once, as torch loads it: it goes into the environment before `import torch` (the CLI's own process,
 # and every process a launcher starts). A way of waiting the user set (any of WAITING) is kept.
