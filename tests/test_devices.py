@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
 
 from multicard import strategies
 from multicard.errors import UsageError
-from multicard.jobs.devices import Devices, cpu_cores, max_cpu_processes, parse
+from multicard.jobs import devices
+from multicard.jobs.devices import WAITING, Devices, cpu_cores, max_cpu_processes, parse
 from multicard.jobs.dist import Job
 
 
@@ -230,3 +235,99 @@ def test_local_batch_must_be_positive(batch):
     for strategy in (three_processes(), strategies.create("single", CPU1, Job())):
         with pytest.raises(UsageError, match=f"--batch-size {batch}: must be at least 1"):
             strategy.local_batch(batch)
+
+
+# -- the cores a process may use, and how its threads wait (issue 34) --------------------------------------------
+
+def test_a_cgroup_cpu_quota_is_read_in_v2_and_v1_and_the_least_above_counts(tmp_path, monkeypatch):
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "job" / "cpu.max").write_text("250000 100000\n")  # 2.5 cores for the parent group
+    (tmp_path / "job" / "step" / "cpu.max").write_text("max 100000\n")  # none of its own
+    (tmp_path / "cpu" / "box").mkdir(parents=True)
+    (tmp_path / "cpu" / "box" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "box" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "self").write_text("0::/job/step\n")
+    monkeypatch.setattr(devices, "CGROUP", tmp_path)
+    monkeypatch.setattr(devices, "SELF_CGROUP", tmp_path / "self")
+    assert devices.cpu_quota() == 2.5
+    (tmp_path / "self").write_text("4:cpu,cpuacct:/box\n0::/job/step\n")
+    assert devices.cpu_quota() == 1.5
+    (tmp_path / "cpu" / "box" / "cpu.cfs_quota_us").write_text("-1\n")  # v1's no quota
+    (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
+    assert devices.cpu_quota() is None
+    monkeypatch.setattr(devices, "SELF_CGROUP", tmp_path / "missing")
+    assert devices.cpu_quota() is None
+
+
+def test_usable_cores_are_the_affinity_and_no_more_than_the_quota(monkeypatch):
+    monkeypatch.setattr(devices, "cpu_cores", lambda: 8)
+    monkeypatch.setattr(devices, "cpu_quota", lambda: 2.5)
+    assert devices.usable_cores() == 2
+    monkeypatch.setattr(devices, "cpu_quota", lambda: 0.5)
+    assert devices.usable_cores() == 1
+    monkeypatch.setattr(devices, "cpu_quota", lambda: None)
+    assert devices.usable_cores() == 8
+
+
+def test_others_running_is_the_kernels_runnable_count_less_this_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(devices, "LOADAVG", tmp_path / "loadavg")
+    (tmp_path / "loadavg").write_text("6.61 5.02 4.10 5/310 4242\n")
+    assert devices.others_running() == 4
+    (tmp_path / "loadavg").write_text("0.00 0.00 0.00 1/120 4242\n")
+    assert devices.others_running() == 0
+    monkeypatch.setattr(devices, "LOADAVG", tmp_path / "missing")
+    assert devices.others_running() == 0
+
+
+@pytest.mark.parametrize("others, busy", [(0, False), (1, True), (6, True)])
+def test_a_busy_machine_gets_passive_waiting_unless_the_user_chose_a_way(monkeypatch, others, busy):
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 2)
+    monkeypatch.setattr(devices, "others_running", lambda: others)
+    assert devices.busy() is busy
+    assert devices.openmp_env(1, {}) == ({"OMP_WAIT_POLICY": "PASSIVE"} if busy else {})
+    assert devices.openmp_env(2, {}) == {"OMP_NUM_THREADS": "1", **({"OMP_WAIT_POLICY": "PASSIVE"} if busy else {})}
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}, {"KMP_BLOCKTIME": "200"}):
+        assert devices.openmp_env(1, chosen) == {}
+
+
+def test_a_process_takes_its_share_of_the_usable_cores_and_never_follows_the_load(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 4)
+    monkeypatch.setattr(devices, "others_running", lambda: 100)  # the count must not change with the load
+    assert devices.cpu_threads(1, 8) == 4  # torch's 8 on a container's 4 cores
+    assert devices.cpu_threads(1, 2) == 2  # the script's (or torch's) own count, when lower
+    assert devices.cpu_threads(3, 8) == 1
+    assert devices.cpu_threads(8, 8) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert devices.cpu_threads(1, 6) == 6
+
+
+DISPLAY = {"OMP_DISPLAY_ENV": "verbose"}  # libgomp prints what it read as torch loads it: GOMP_SPINCOUNT 0 is PASSIVE
+BUSY = "import sys\nfrom multicard.jobs import devices\ndevices.busy = lambda: {busy}\n"
+
+
+def spin_counts(stderr: str) -> list[str]:
+    return re.findall(r"GOMP_SPINCOUNT = '(\d+)'", stderr)
+
+
+@pytest.mark.parametrize("busy, spin", [(True, "0"), (False, "300000")])
+def test_the_cli_tells_openmp_to_wait_passively_before_torch_loads_it_on_a_busy_machine(busy, spin):
+    code = BUSY.format(busy=busy) + "from multicard.cli import main\nsys.exit(main(['env']))\n"
+    env = {k: v for k, v in os.environ.items() if k not in WAITING} | DISPLAY
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    if not spin_counts(result.stderr):
+        pytest.skip("this torch's OpenMP is not libgomp (it prints no GOMP_SPINCOUNT)")
+    assert spin_counts(result.stderr) == [spin]
+
+
+def test_the_launcher_tells_each_rank_to_wait_passively_on_a_busy_machine():
+    code = BUSY.format(busy=True) + ("from multicard.jobs.launcher import run_command\n"
+                                     "sys.exit(run_command([sys.executable, '-c', 'import torch'], 2))\n")
+    env = {k: v for k, v in os.environ.items() if k not in WAITING} | DISPLAY
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    if not spin_counts(result.stderr):
+        pytest.skip("this torch's OpenMP is not libgomp (it prints no GOMP_SPINCOUNT)")
+    assert spin_counts(result.stderr).count("0") == 2  # the two ranks' (this launcher had torch loaded before)

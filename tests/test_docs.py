@@ -21,7 +21,6 @@ BIN = Path(sys.executable).parent
 
 # A command is skipped only for one of these reasons (the first rule that matches decides)
 SKIP = [
-    (r"\| dp-balanced \|", "a synopsis: | separates the choices of a flag"),
     (r"^make ", "sets up .venv (pip installs torch): minutes and the network; CI runs make test itself"),
     (r"^tensorboard ", "a server that runs until it is stopped"),
     (r"--nnodes|^srun |^#!|^benchmarks/on_a_card\.sh", "needs two machines, SLURM or a CUDA card"),
@@ -95,32 +94,33 @@ def test_every_command_in_the_docs_is_run_failed_or_skipped_for_a_reason():
     assert not unknown, f"commands the docs show that this test does not know how to check: {unknown}"
 
 
+def test_the_readme_puts_its_commands_on_path_before_its_first_bare_command():
+    """Its blocks use bare python, multicard and torchrun: .venv's, once activated."""
+    readme = Path(ROOT, "README.md").read_text()
+    first = min(m.start() for m in re.finditer(r"^(python|multicard|torchrun) ", readme, re.M))
+    assert ". .venv/bin/activate" in readme[:first]
+
+
+def test_no_command_hands_flags_to_a_script_that_reads_none():
+    """my_script.py (the README's own loop) has no command line: a flag after it would be silently ignored."""
+    assert "argv" not in readme_own_loop() and "argparse" not in readme_own_loop()
+    handed = [(where, c) for where, c in SHELL if re.search(r"my_script\.py \S", c)]
+    assert not handed, handed
+
+
 @pytest.mark.parametrize("where, command", [(w, c) for w, c in SHELL if multicard_argv(c) is not None])
 def test_the_flags_of_every_multicard_command_parse_and_validate(where, command):
     from multicard.cli import Parser, given, parser
     from multicard.trainer.config import TrainConfig
 
     assert isinstance(parser(), Parser)
-    for argv in choices(multicard_argv(command)):
-        try:
-            args = parser().parse_args(argv)
-        except SystemExit as e:
-            pytest.fail(f"{where}: {command}: argparse refused {argv} ({e})")
-        if argv and argv[0] == "train":
-            TrainConfig(**given(args)).validate()
-
-
-def choices(argv: list[str]) -> list[list[str]]:
-    """A synopsis (--flag a | b | c) as one command per choice, N standing for 2; a plain command as it is."""
-    if "|" not in argv:
-        return [argv]
-    head, out, flag = [argv[0]], [], None
-    for word in argv[1:]:
-        if word.startswith("--"):
-            flag = word
-        elif word != "|" and flag:
-            out.append([*head, flag, word.replace("N", "2")])
-    return out
+    argv = multicard_argv(command)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"{where}: {command}: argparse refused {argv} ({e})")
+    if argv and argv[0] == "train":
+        TrainConfig(**given(args)).validate()
 
 
 def workdir(tmp_path: Path) -> dict[str, str]:
@@ -176,29 +176,90 @@ def test_the_readmes_own_loop_runs_as_a_script(tmp_path):
     assert (tmp_path / "ckpt.pt").is_file()
 
 
-def fragment_names(tmp_path: Path) -> dict:
-    """What a fragment of docs/ takes as given: a model, its optimizer and schedule, data, a loader, a Multicard."""
+def fragment_names(mc) -> dict:
+    """What a fragment of docs/ takes as given: a model, its optimizer and schedule, data, a loader, and `mc`, the
+    Multicard it runs on."""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     import multicard
 
-    mc = multicard.Multicard("single", "cpu")
+    torch.manual_seed(0)  # the same data and weights in every process
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = TensorDataset(torch.randn(512, 1, 28, 28), torch.randint(0, 10, (512,)))
     return dict(torch=torch, nn=nn, DataLoader=DataLoader, multicard=multicard, mc=mc, model=model,
                 optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), data=data,
-                criterion=nn.CrossEntropyLoss(), train_loader=mc.setup_dataloader(DataLoader(data, 64, shuffle=True)),
+                criterion=nn.CrossEntropyLoss(), train_loader=mc.setup_dataloader(DataLoader(data, 48, shuffle=True)),
                 epochs=1, resuming=False)
 
 
 @pytest.mark.parametrize("where", [w for w, text in PYTHON if not re.search(r"^import ", text, re.M)])
 def test_each_python_fragment_runs_in_a_harness(where, tmp_path, monkeypatch):
+    import multicard
+
     monkeypatch.chdir(tmp_path)
     text = dict(PYTHON)[where]
-    exec(compile(text, where, "exec"), fragment_names(tmp_path))
+    exec(compile(text, where, "exec"), fragment_names(multicard.Multicard("single", "cpu")))
+
+
+def amp_port() -> tuple[str, str]:
+    """your-loop.md's port of a loop with its own autocast, GradScaler and clip_grad_norm_, and the original it
+    shows: the lines marked `# +` left out, each `# - line` put back in place of the line after it."""
+    port = next(text for where, text in PYTHON if where.startswith("your-loop") and "GradScaler" in text)
+    original = [re.sub(r"^(\s*)# - ", r"\1", line) for line in port.splitlines() if not re.search(r"# \+( |$)", line)]
+    return port, "\n".join(original)
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(v) for v in re.findall(r"loss over the whole set ([\d.]+)", stdout)]
+
+
+@pytest.fixture(scope="module")
+def amp_original(tmp_path_factory) -> list[float]:
+    folder = tmp_path_factory.mktemp("original")
+    (folder / "original.py").write_text(amp_port()[1])
+    result = shell("python original.py", folder, workdir(folder))
+    assert result.returncode == 0 and "multicard" not in amp_port()[1], result.stderr
+    return losses(result.stdout)
+
+
+# The blocks that use `mc` without starting processes of their own (a loop, a loader read through), each run as
+# written in every process of `multicard run --devices cpu:N`: a fragment with the names above, a whole script as
+# the script it is. One job runs them all, in the order of the docs.
+ON_N = [where for where, text in PYTHON if re.search(r"\bmc\.", text) and "devices=" not in text]
+HARNESS = f"""import re, sys
+sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+import multicard
+from test_docs import PYTHON, fragment_names
+
+for where, text in PYTHON:
+    if where in sys.argv[1:]:
+        whole = re.search(r"^import ", text, re.M)
+        names = {{"__name__": "__main__"}} if whole else fragment_names(multicard.Multicard())
+        exec(compile(text, where, "exec"), names)
+        sys.stdout.write(f"ran {{where}}\\n")  # one write: the ranks' lines never interleave
+        sys.stdout.flush()
+"""
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+def test_each_block_that_uses_mc_runs_on_1_2_and_3_processes(nprocs, amp_original, tmp_path):
+    """Every such block runs; the port of a loop with its own AMP and clipping prints the original's numbers
+    exactly on one process, and on 2 and 3 the same to bf16's rounding (each process's rows pass through bf16 on
+    their own)."""
+    assert len(ON_N) >= 6, ON_N
+    (tmp_path / "harness.py").write_text(HARNESS)
+    result = shell(shlex.join(["multicard", "run", "--devices", f"cpu:{nprocs}", "harness.py", *ON_N]), tmp_path,
+                   workdir(tmp_path))
+    assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    assert result.stdout.count("ran ") == len(ON_N) * nprocs, result.stdout
+    assert len(amp_original) == 3 and amp_original[-1] < amp_original[0]  # learning
+    if nprocs == 1:
+        assert losses(result.stdout) == amp_original
+    else:
+        assert losses(result.stdout) == pytest.approx(amp_original, abs=1e-3), result.stdout
 
 
 @pytest.mark.slow

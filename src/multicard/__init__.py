@@ -1,4 +1,4 @@
-"""multicard: your training loop on one CPU, one card or many cards (single, dp, dp-balanced, ddp).
+"""multicard: your training loop on one CPU, one card or many cards (single, dp, dp-balanced, ddp, fsdp).
 
 The names below load on first use, so that `multicard --help` does not wait for torch.
 """

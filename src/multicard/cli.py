@@ -243,7 +243,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from .jobs.devices import openmp_env
     from .jobs.failures import RankFailed, Stopped, said
+
+    os.environ.update(openmp_env(1, os.environ))  # how OpenMP's threads wait: read once, as torch is imported
 
     try:
         return args.run(args)

@@ -25,7 +25,7 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
-from ..strategies import Strategy
+from ..strategies import Strategy, syncbn
 from . import closure, memory
 from .between import Between
 from .loggers import make_loggers
@@ -196,6 +196,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
         name, model = type(model).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
+        syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],

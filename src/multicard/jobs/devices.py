@@ -1,4 +1,5 @@
-"""Parse --devices, and pin the chosen cards before CUDA starts (as the seeds do with CUDA_VISIBLE_DEVICES).
+"""Parse --devices, and pin the chosen cards before CUDA starts (as one does by hand with CUDA_VISIBLE_DEVICES);
+the cores a process may use, and how its threads wait for them.
 
 Forms: auto | cpu | cpu:N | N (a count of cards) | 0,1 (card ids) | cuda | cuda:1 (one card by id).
 """
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -31,6 +34,10 @@ CPU_PROCESSES_PER_CORE, CPU_PROCESSES_FLOOR = 8, 64
 # The longest --devices read: ids 0..255 fit in 914 characters. Bounding the text first bounds all the work below
 # (the id regex keeps some state per id; int() of 4300+ digits is a ValueError, not a UsageError).
 MAX_TEXT = 1024
+
+CGROUP = Path("/sys/fs/cgroup")  # where the control groups' CPU quotas are read (cpu_quota)
+SELF_CGROUP = Path("/proc/self/cgroup")  # which group this process is in, per hierarchy
+LOADAVG = Path("/proc/loadavg")  # its fourth field: runnable threads / all threads, now
 
 
 def max_cpu_processes(cores: int) -> int:
@@ -95,6 +102,68 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def cpu_quota() -> float | None:
+    """The cores the CPU quota of this process's control group, or of a group above it, allows (cgroup v2's
+    cpu.max, v1's cfs_quota_us / cfs_period_us); None where there is none or it cannot be read."""
+    try:
+        lines = SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for _, controllers, own in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        root = CGROUP if v2 else CGROUP / "cpu"
+        folder = root / own.strip("/")
+        for group in [folder, *folder.parents][: len(folder.relative_to(root).parts) + 1]:  # up to the root
+            try:
+                quota, period = ((group / "cpu.max").read_text().split() if v2 else
+                                 [(group / f"cpu.cfs_{f}_us").read_text().strip() for f in ("quota", "period")])
+                if quota not in ("max", "-1"):  # each hierarchy's "no quota"
+                    quotas.append(int(quota) / int(period))
+            except (OSError, ValueError):  # no such file here (no quota, or a hierarchy not mounted)
+                continue
+    return min(quotas) if quotas else None
+
+
+def usable_cores() -> int:
+    """The cores this process can keep busy: those it may run on, and no more than its cgroup's quota allows (a
+    container limited to 2 CPUs on a 64-core host would otherwise run torch's 32 threads on 2 CPUs' time)."""
+    quota = cpu_quota()
+    return max(1, min(cpu_cores(), int(quota))) if quota else cpu_cores()
+
+
+def others_running() -> int:
+    """Threads of other processes that want a core right now: the kernel's count of runnable threads
+    (/proc/loadavg, the whole machine's; this process's own one not counted), the median of five reads 2 ms
+    apart, so a command that only passes by is not counted. 0 where unknown."""
+    counts = []
+    for _ in range(5):
+        try:
+            counts.append(int(LOADAVG.read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return 0
+        time.sleep(0.002)
+    return max(0, sorted(counts)[2])
+
+
+# OpenMP's idle threads spin for a while before they sleep (libgomp: ~300,000 turns after each parallel region),
+# and every region waits for its slowest thread. Where other work holds the cores, a spinning thread keeps from
+# a core the very thread it waits for: the main job's epochs beside busy processes on 2 cores took 8x as long as
+# with PASSIVE waiting, which sleeps at once and computes the same numbers (benchmarks/busy_machine.py). On an idle
+# machine the spin is what makes back-to-back regions quick, so it is kept there. The OpenMP runtime reads the
+# variable once, as torch loads it: it goes into the environment before `import torch` (the CLI's own process,
+# and every process a launcher starts). A way of waiting the user set (any of WAITING) is kept.
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+WAITING = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def busy() -> bool:
+    """Whether other work holds some of the cores this process's threads would use."""
+    return others_running() > (os.cpu_count() or 1) - usable_cores()
+
+
 def omp_threads(nprocs: int, env: dict[str, str]) -> dict[str, str]:
     """OMP_NUM_THREADS for each of `nprocs` processes a launcher starts on this machine, unless `env` has it. As
     torchrun sets it, but to the cores // nprocs a ddp process on the CPU takes anyway (torchrun's 1 leaves cores
@@ -102,7 +171,25 @@ def omp_threads(nprocs: int, env: dict[str, str]) -> dict[str, str]:
     default, untouched."""
     if nprocs < 2 or "OMP_NUM_THREADS" in env:
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, cpu_cores() // nprocs))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // nprocs))}
+
+
+def openmp_env(nprocs: int, env: dict[str, str]) -> dict[str, str]:
+    """What each of `nprocs` processes started with environment `env` should find there besides: omp_threads'
+    OMP_NUM_THREADS, and PASSIVE waiting where the machine is busy now (unless `env` says how to wait)."""
+    waits = {} if any(name in env for name in WAITING) or not busy() else PASSIVE
+    return {**omp_threads(nprocs, env), **waits}
+
+
+def cpu_threads(local_world: int, current: int) -> int:
+    """Intra-op threads for one of `local_world` processes on this machine's CPU, running `current` now.
+    OMP_NUM_THREADS, where set (by the user, our launcher or torchrun), is kept, as torch keeps it. Else a share of
+    the cores the process can keep busy: cores // local_world, or for one process torch's own count up to them.
+    Never the machine's load: a count that followed it would change the numbers (a sum over threads adds in
+    another order) from one run to the next; how the threads wait is the lever for a busy machine (PASSIVE)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return current
+    return max(1, usable_cores() // local_world) if local_world > 1 else max(1, min(current, usable_cores()))
 
 
 def count_cards() -> tuple[int, bool]:

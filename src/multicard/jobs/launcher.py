@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import jobdir, lifeline, shipping, slots, spawned, streams
-from .devices import omp_threads
+from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
 
@@ -184,7 +184,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
     exit code (128 + N for signal N). A signal to this process stops them all."""
     server = store()
     procs: list[subprocess.Popen] = []
-    env = {**omp_threads(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # as torchrun sets it
+    env = {**openmp_env(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # threads, and how they wait
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
             parent = os.getpid()

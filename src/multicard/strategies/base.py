@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..jobs.devices import Devices
+from ..jobs.devices import Devices, cpu_threads
 from ..jobs.dist import Job
 
 
@@ -76,6 +76,8 @@ class Strategy:
         self.job = job
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:  # each process takes its share of the cores it can keep busy, not all of the machine's
+            torch.set_num_threads(cpu_threads(job.local_world, torch.get_num_threads()))
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model

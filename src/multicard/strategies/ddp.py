@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UsageError
 from ..jobs import dist
-from ..jobs.devices import cpu_cores
 from ..jobs.dist import Job
 from . import syncbn
 from .base import Strategy
@@ -40,10 +38,6 @@ class DDP(Strategy):
         if self.devices.kind == "cuda" and 1 < self.devices.count <= job.local_rank:
             raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here; start "
                              f"one process per card, or show each process one card")
-        # each process takes its share of the cores, not all of them; a thread count set (OMP_NUM_THREADS: by the
-        # user, our launcher or torchrun) is kept, as torch keeps it
-        if self.devices.kind == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(max(1, cpu_cores() // job.local_world))
         super().start(job)
         if torch_dist.is_initialized():  # another Multicard (or the script itself) joined the job already
             _check_group(job, self.device.type)

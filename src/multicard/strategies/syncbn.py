@@ -1,8 +1,11 @@
 """Synchronized BatchNorm for processes on the CPU (gloo). torch's SyncBatchNorm runs on cards only (it refuses CPU
 tensors, and its batch_norm_stats kernel has no CPU version), so ddp on the CPU uses this one: the same statistics
-over every process's part of the batch, from two all-reduces per layer (sums forward, gradient sums backward)."""
+over every process's part of the batch, from two all-reduces per layer (sums forward, gradient sums backward).
+Without it, each process normalises by its own part's statistics: the one line of say_unsynced tells a user so."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -85,3 +88,21 @@ def convert(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         setattr(module, name, convert(child))
     return module
+
+
+_SAID: list[bool] = []  # the line below is said once per process (the job's rank 0 only)
+
+
+def say_unsynced(model: nn.Module, processes: int, main: bool) -> None:
+    """One line on rank 0's stderr, once, when a model with BatchNorm layers trains on 2+ processes without
+    sync_batchnorm: each process's statistics are then those of its own part of the batch, so the steps are not
+    the ones one process takes (nothing else in the step differs that way but dropout)."""
+    layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, CPUSyncBatchNorm))
+                 for m in model.modules())
+    if processes < 2 or not layers or not main or _SAID:
+        return
+    _SAID.append(True)
+    print(f"multicard: {type(model).__name__} has {layers} BatchNorm layer{'s' * (layers > 1)} and trains on "
+          f"{processes} processes: each normalises by the statistics of its own 1/{processes} of the batch, not the "
+          f"whole batch's as one process does; Multicard(sync_batchnorm=True) (multicard train --sync-bn) makes them "
+          f"the whole batch's", file=sys.stderr, flush=True)

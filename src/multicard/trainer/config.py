@@ -42,7 +42,7 @@ class TrainConfig:
     # fetching data is opt-in: a run never touches the network unless asked
     download: bool = opt(False, "download mnist / fashion-mnist into the cache if missing (checksummed)")
     # synthetic data: big enough for a timed epoch, small enough to build in a blink
-    synthetic_samples: int = opt(8192, "training samples of --data synthetic")
+    synthetic_samples: int = opt(8192, "training samples of --data synthetic (its test set is always 1,024)")
 
     # where to train
     # auto: ddp on 2+ cards, single on 1 card or on the CPU
