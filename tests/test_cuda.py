@@ -4,6 +4,7 @@ the bench report are also tested here on the CPU, with torch's NVML call replace
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -16,7 +17,9 @@ import torch
 
 from conftest import ROOT, cuda, run_cli
 from multicard.front import memory
+from multicard.tools import bench, parity
 from multicard.tools.bench_report import markdown, table
+from multicard.trainer.config import TrainConfig
 
 SMALL = ["--data", "synthetic", "--synthetic-samples", "512", "--epochs", "2", "--batch-size", "64", "--quiet"]
 HAS_NVML = importlib.util.find_spec("pynvml") is not None
@@ -111,13 +114,27 @@ def test_fast_path_on_the_card(tmp_path, extra):
     assert math.isfinite(s["train_loss"]) and s["config"]["device_data"] and s["train_samples_per_s"] > 0
 
 
+CARD_BENCH = ["--samples", "2048", "--batch-size", "256", "--repeats", "1", "--fast-batch", "1024", "--devices", "1"]
+
+
+def planned(flags: list[str], cards: int) -> list[str]:
+    """The strategy of each cell `multicard bench FLAGS` runs on a machine with `cards` cards, as the bench itself
+    plans it (never a list copied into a test: the bench grew fsdp once, and its card test kept the old list)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return [name for name, _ in bench.plan(parser.parse_args(flags), cards=cards, cores=16)]
+
+
+def test_the_card_bench_runs_every_strategy_of_the_one_list():  # on the CPU: the plan needs no card
+    assert planned(CARD_BENCH, cards=1) == list(bench.ON_CARDS)
+
+
 @cuda
 def test_bench_on_the_card(tmp_path):
-    r = run_cli("bench", "--out", str(tmp_path), "--samples", "2048", "--batch-size", "256", "--repeats", "1",
-                "--fast-batch", "1024", "--devices", "1", timeout=300)
+    r = run_cli("bench", "--out", str(tmp_path), *CARD_BENCH, timeout=300)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "bench.json").read_text())
-    assert rep["hardware"]["cards"] and [c["strategy"] for c in rep["cells"]] == ["single", "dp", "dp-balanced", "ddp"]
+    assert rep["hardware"]["cards"] and [c["strategy"] for c in rep["cells"]] == planned(CARD_BENCH, cards=1)
     for row in [*rep["cells"], rep["baseline"], rep["fast"]]:
         assert row["device_names"][0].startswith("cuda:0 ") and row["peak_memory_mb"][0] > 0
         assert len(row["card_used_mb"]) == (1 if HAS_NVML else 0)
@@ -142,7 +159,8 @@ def test_cuda_check_every_strategy_this_machine_runs():
     r = run_cli("check", "--devices", "cuda", "--data", "synthetic", "--synthetic-samples", "256", "--batch-size",
                 "32", "--steps", "4")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == ["ddp", "dp", "dp-balanced"]
+    expected, _ = parity.runnable(TrainConfig(devices="cuda"))  # what the check says it runs, not a copy
+    assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == expected
     assert all(line.endswith("PASS") for line in r.stdout.splitlines() if line.startswith("parity:"))
 
 
