@@ -148,6 +148,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"run: no such script {args.script}")
     from . import strategies
+    from .front import determinism
     from .jobs.devices import select
     from .jobs.dist import job_from_env
     from .jobs.launcher import job_choice, run_command
@@ -161,7 +162,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except UsageError as e:
         raise UsageError(f"run: {e}") from None
     command = ["-m"] * args.module + [args.script, *args.args]
-    return run_command([sys.executable, *command], strategy.processes, job_choice(strategy))
+    env = {**job_choice(strategy), **(determinism.environment() if args.deterministic else {})}
+    return run_command([sys.executable, *command], strategy.processes, env)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -207,6 +209,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (ddp on 2+ devices, else single), single, ddp, dp, dp-balanced or fsdp (default: auto)")
     r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
                    "(default: auto)")
+    r.add_argument("--deterministic", action="store_true", help="the script's Multicard() runs in deterministic "
+                   "mode (the same result run after run on a card too), as Multicard(deterministic=True)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
     r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
     r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy
-from . import closure, memory
+from . import closure, determinism, memory
 from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
@@ -55,15 +55,19 @@ class Multicard(Between, Checkpoints, Steps):
     loggers: where mc.log(metrics, step) writes: "tensorboard" (event files under `log_dir`; needs
     `pip install 'multicard[tensorboard]'`), any object with log(metrics, step) (and close(), called by
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
+    deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
+    torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
+    deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
                  find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
-                 loggers: Any = None, log_dir: str | Path = "runs/logs"):
+                 loggers: Any = None, log_dir: str | Path = "runs/logs", deterministic: bool = False):
         self.job = job_from_env()
         strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
+        self.deterministic = determinism.settle(deterministic, strategy)
         self._strategy, self.precision, self.sync_batchnorm = strategy, precision, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoints.plain import unprefixed
 from ..data import uneven
 from ..errors import UsageError
+from . import determinism
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
@@ -46,11 +47,15 @@ class Prepared(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device_type, dtype = self._autocast
-        if dtype is None:
-            out = self.forward_module(*args, **kwargs)
-        else:
-            with torch.autocast(device_type, dtype):
-                out = to_fp32(self.forward_module(*args, **kwargs))
+        try:
+            if dtype is None:
+                out = self.forward_module(*args, **kwargs)
+            else:
+                with torch.autocast(device_type, dtype):
+                    out = to_fp32(self.forward_module(*args, **kwargs))
+        except RuntimeError as e:  # an op with no deterministic version: one line, not torch's paragraph
+            determinism.check(e)
+            raise
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
             out = uneven.weigh(out)
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \

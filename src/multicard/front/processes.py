@@ -47,7 +47,7 @@ def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bo
              loggers: list) -> Any:
     """The body of a process that Multicard.launch spawned: `front` is the Multicard class (handed in, as the
     class imports this module)."""
-    mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
-                   timeout=strategy.timeout_s, loggers=loggers)
+    mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm, timeout=strategy.timeout_s,
+               loggers=loggers, deterministic=strategy.deterministic)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     return mc.launch(fn, *args)
