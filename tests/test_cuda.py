@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -106,7 +107,8 @@ def test_ddp_under_torchrun_on_the_card(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"], ["--precision", "bf16", "--compile"]])
+@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"],
+                                   pytest.param(["--precision", "bf16", "--compile"], marks=pytest.mark.slow)])
 def test_fast_path_on_the_card(tmp_path, extra):
     r = run_cli("train", "--devices", "cuda:0", "--device-data", *extra, *SMALL, "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -130,6 +132,7 @@ def test_the_card_bench_runs_every_strategy_of_the_one_list():  # on the CPU: th
 
 
 @cuda
+@pytest.mark.slow  # a fresh process per cell: with the compile above, most of the CUDA tests' time
 def test_bench_on_the_card(tmp_path):
     r = run_cli("bench", "--out", str(tmp_path), *CARD_BENCH, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -188,3 +191,20 @@ def test_one_card_pays_no_strategy_wrapper(strategy):
         wrapper = model.forward_module
         assert not isinstance(wrapper, (DistributedDataParallel, ParallelModel)), type(wrapper)
         assert strategy == "dp" or wrapper is model.module  # dp keeps DataParallel, which calls the module itself
+
+
+def test_on_a_card_sh_says_failed_for_a_step_whose_python_raised(tmp_path):
+    """The script a card session runs, here on the CPU: its env step's Python line asks for card 0 and raises (it
+    once said "exit 0" for that, the exit code of the step's last command); nvidia-smi is a stand-in that works."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho a stand-in\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/on_a_card.sh", str(out), "env"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable,
+                                                   "PATH": f"{fake}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.fullmatch(rf"step env: FAILED \(exit 1\) in \d+ s; see {out}/env.txt\n", r.stdout), r.stdout
+    assert "a stand-in" in (out / "env.txt").read_text() and "Error" in (out / "env.txt").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "runs", "steps.txt", "tmp"]  # all of it in OUT
