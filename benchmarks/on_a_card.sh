@@ -38,6 +38,11 @@ bench() {  # bench NAME SECONDS FLAGS...: a bench sweep, its reports flat next t
     step "$name" "$limit" $mc bench --out "$out/runs/$name" "$@"
     for f in bench.json bench.md bench.png; do cp "$out/runs/$name/$f" "$out/$name.${f#bench.}" 2>/dev/null; done
 }
+known=" env cuda-tests timeline deterministic cuda-slow autotune suite train main-job loop tax graphs bench bench-bf16 \
+bench-resnet8 "
+for s in $steps; do  # every name checked before anything runs: a typo costs no card time
+    case $known in *" $s "*) ;; *) echo "unknown step $s (steps:$known)" >&2; exit 2;; esac
+done
 for s in $steps; do
     case $s in
     env) step env 30 bash -ec "date -u; nvidia-smi; $py -c 'import sys, torch; print(sys.version); \
@@ -60,14 +65,12 @@ $py benchmarks/loop_vs_plain.py --device cuda --model tiny --out $out/loop_vs_pl
     tax) step tax 400 bash -ec "$py benchmarks/strategy_tax.py --device cuda --model lenet5 \
 --out $out/strategy_tax_card.json; $py benchmarks/strategy_tax.py --device cuda --model tiny \
 --out $out/strategy_tax_card_tiny.json";;
-    graphs) step graphs 400 bash -ec "set -o pipefail; for extra in '' '--compile' '--compile --compile-mode reduce-overhead'; do \
-echo \"== batch 64 \$extra\"; $mc train --devices 1 --batch-size 64 --device-data --out $out/runs/graphs \$extra \
-| tail -2; done";;
+    graphs) step graphs 400 bash -ec "set -o pipefail; \
+for extra in '' '--compile' '--compile --compile-mode reduce-overhead'; do echo \"== batch 64 \$extra\"; \
+$mc train --devices 1 --batch-size 64 --device-data --out $out/runs/graphs \$extra | tail -2; done";;
     bench) bench bench 400;;
     bench-bf16) bench bench-bf16 300 --precision bf16 --compile --no-baseline --strategies single --devices 1;;
     bench-resnet8) bench bench-resnet8 400 --model resnet8;;
-    *) echo "unknown step $s (steps: env cuda-tests timeline deterministic cuda-slow autotune suite train main-job" \
-"loop tax graphs bench bench-bf16 bench-resnet8)" >&2; exit 2;;
     esac
 done
 exit $failed
