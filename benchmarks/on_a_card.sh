@@ -1,47 +1,76 @@
 #!/usr/bin/env bash
-# What a session with a CUDA card runs, in one go: the machine, the CUDA tests, the whole suite, the main job on
-# the card, and the bench sweeps. Logs and bench reports go to $1 (default runs/on-a-card), one file per step.
+# What a session with a CUDA card runs. The default steps fit one call of under 10 minutes (each step has its own
+# time limit; their sum is 540 s): the machine, the CUDA tests (those not marked slow), the main job's timeline on
+# the card over 3 seeds, and deterministic mode's cost and repeatability. The other steps are named to run them.
+# Everything is written under OUT (default runs/on-a-card): a log per step, the JSON of each benchmark, the runs'
+# folders, and every temporary file (TMPDIR, pytest's, torch.compile's and Triton's caches, matplotlib's).
+# A step whose command fails (a Python line that raised included) is reported failed, and so is the script.
 # It runs from a checkout without installing multicard (PYTHONPATH=src), on whatever torch the machine has.
 # Usage: benchmarks/on_a_card.sh [OUT] [STEP ...]
-#   steps: env cuda-tests suite train main-job loop tax graphs bench bench-bf16 bench-resnet8
-#   (issue 14's figures: main-job, loop, tax, graphs and bench; each writes its JSON into OUT)
+#   default: env cuda-tests timeline deterministic
+#   more:    cuda-slow autotune suite train main-job loop tax graphs bench bench-bf16 bench-resnet8
 set -u
-out=${1:-runs/on-a-card}; shift || true
-steps=${*:-env cuda-tests suite train main-job loop tax graphs bench bench-bf16 bench-resnet8}
-mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out=$(mkdir -p "${1:-runs/on-a-card}" && cd "${1:-runs/on-a-card}" && pwd); shift || true
+steps=${*:-env cuda-tests timeline deterministic}
+mkdir -p "$out/tmp" "$out/runs"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    TMPDIR="$out/tmp" MPLCONFIGDIR="$out/tmp/matplotlib" TRITON_CACHE_DIR="$out/tmp/triton" \
+    TORCHINDUCTOR_CACHE_DIR="$out/tmp/inductor"
 py=${PYTHON:-python3}
 mc="$py -m multicard"
+tests="$py -m pytest -p no:cacheprovider --basetemp=$out/tmp/pytest -rs --durations=15"
+failed=0
 step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.txt, say how it ended
     local name=$1 limit=$2; shift 2
-    local begin=$SECONDS
+    local begin=$SECONDS code
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "step $name: exit $? in $((SECONDS - begin)) s" | tee -a "$out/steps.txt"
+    code=$?
+    if [ $code -eq 0 ]; then
+        echo "step $name: ok in $((SECONDS - begin)) s" | tee -a "$out/steps.txt"
+    else
+        failed=1
+        echo "step $name: FAILED (exit $code$([ $code -eq 124 ] && echo ", over its ${limit} s")) in" \
+            "$((SECONDS - begin)) s; see $out/$name.txt" | tee -a "$out/steps.txt"
+    fi
 }
-bench_copy() {  # keep a bench's three reports, flat, next to the logs
-    for f in bench.json bench.md bench.png; do cp "/tmp/$1/$f" "$out/$1.${f#bench.}" 2>/dev/null; done
+bench() {  # bench NAME SECONDS FLAGS...: a bench sweep, its reports flat next to the logs
+    local name=$1 limit=$2; shift 2
+    step "$name" "$limit" $mc bench --out "$out/runs/$name" "$@"
+    for f in bench.json bench.md bench.png; do cp "$out/runs/$name/$f" "$out/$name.${f#bench.}" 2>/dev/null; done
 }
+known=" env cuda-tests timeline deterministic cuda-slow autotune suite train main-job loop tax graphs bench bench-bf16 \
+bench-resnet8 "
+for s in $steps; do  # every name checked before anything runs: a typo costs no card time
+    case $known in *" $s "*) ;; *) echo "unknown step $s (steps:$known)" >&2; exit 2;; esac
+done
 for s in $steps; do
     case $s in
-    env) step env 60 bash -c "date -u; nvidia-smi; $py -c 'import sys, torch; print(sys.version); \
-print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; git log -1 --format=%H 2>/dev/null";;
-    cuda-tests) step cuda-tests 300 $py -m pytest -p no:cacheprovider -m cuda -v -rs;;
-    suite) step suite 240 $py -m pytest -p no:cacheprovider -q -rs;;
-    train) step train 300 bash -c "$mc train --devices 1 --out /tmp/train-single && \
-$mc train --strategy dp --devices 1 --out /tmp/train-dp && $mc train --strategy dp-balanced --devices 1 --out /tmp/train-bal && \
-$mc train --strategy ddp --devices 1 --out /tmp/train-ddp";;
+    env) step env 30 bash -ec "date -u; nvidia-smi; $py -c 'import sys, torch; print(sys.version); \
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; \
+git log -1 --format=%H 2>/dev/null || echo 'not a git checkout'";;
+    cuda-tests) step cuda-tests 240 $tests -v -m "cuda and not slow";;  # -v: a log cut short still names each test
+    cuda-slow) step cuda-slow 300 $tests -v -m "cuda and slow";;
+    timeline) step timeline 120 $py benchmarks/timeline.py --card --out "$out/timeline_card.json";;
+    deterministic) step deterministic 150 bash -ec "$py benchmarks/timeline.py --card --seeds 0,0 \
+--out $out/timeline_card_seed0.json; $py benchmarks/timeline.py --card --seeds 0,0 \
+--out $out/timeline_card_deterministic.json -- --deterministic";;
+    autotune) step autotune 120 $py benchmarks/timeline.py --card --cudnn-benchmark \
+--out "$out/timeline_card_cudnn_benchmark.json";;
+    suite) step suite 300 $tests -q;;
+    train) step train 300 bash -ec "for s in single dp dp-balanced ddp; do \
+$mc train --strategy \$s --devices 1 --out $out/runs/train-\$s; done";;
     main-job) step main-job 300 $py benchmarks/main_job.py --card --out "$out/main_job_card.json";;
-    loop) step loop 400 bash -c "$py benchmarks/loop_vs_plain.py --device cuda --out $out/loop_vs_plain_card.json && \
+    loop) step loop 400 bash -ec "$py benchmarks/loop_vs_plain.py --device cuda --out $out/loop_vs_plain_card.json; \
 $py benchmarks/loop_vs_plain.py --device cuda --model tiny --out $out/loop_vs_plain_card_tiny.json";;
-    tax) step tax 400 bash -c "$py benchmarks/strategy_tax.py --device cuda --model lenet5 --out $out/strategy_tax_card.json && \
-$py benchmarks/strategy_tax.py --device cuda --model tiny --out $out/strategy_tax_card_tiny.json";;
-    graphs) step graphs 400 bash -c "for extra in '' '--compile' '--compile --compile-mode reduce-overhead'; do \
-echo \"== batch 64 \$extra\"; $mc train --devices 1 --batch-size 64 --device-data --out /tmp/graphs \$extra | tail -2; done";;
-    bench) rm -rf /tmp/bench-gpu; step bench 400 $mc bench --out /tmp/bench-gpu; bench_copy bench-gpu;;
-    bench-bf16) rm -rf /tmp/bench-gpu-bf16; step bench-bf16 300 $mc bench --out /tmp/bench-gpu-bf16 --precision bf16 \
---compile --no-baseline --strategies single --devices 1; bench_copy bench-gpu-bf16;;
-    bench-resnet8) rm -rf /tmp/bench-gpu-resnet8; step bench-resnet8 400 $mc bench --out /tmp/bench-gpu-resnet8 \
---model resnet8; bench_copy bench-gpu-resnet8;;
-    *) echo "unknown step $s" >&2; exit 2;;
+    tax) step tax 400 bash -ec "$py benchmarks/strategy_tax.py --device cuda --model lenet5 \
+--out $out/strategy_tax_card.json; $py benchmarks/strategy_tax.py --device cuda --model tiny \
+--out $out/strategy_tax_card_tiny.json";;
+    graphs) step graphs 400 bash -ec "set -o pipefail; \
+for extra in '' '--compile' '--compile --compile-mode reduce-overhead'; do echo \"== batch 64 \$extra\"; \
+$mc train --devices 1 --batch-size 64 --device-data --out $out/runs/graphs \$extra | tail -2; done";;
+    bench) bench bench 400;;
+    bench-bf16) bench bench-bf16 300 --precision bf16 --compile --no-baseline --strategies single --devices 1;;
+    bench-resnet8) bench bench-resnet8 400 --model resnet8;;
     esac
 done
+exit $failed

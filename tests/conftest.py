@@ -50,6 +50,13 @@ def cuda(test):
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")(test))
 
 
+def cpu_and_card(card: str = "cuda:0") -> list:
+    """Devices to parametrise one test body over: the CPU, and a card (marked `cuda`, skipped where none is), so
+    that a body written for a card also runs where CI runs."""
+    return ["cpu", pytest.param(card, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="needs a CUDA card")])]
+
+
 def sharded(dataset, batch: int, *, train: bool = True, rank: int = 0, world: int = 1, seed: int = 0, workers: int = 0,
             shuffle: bool = True, **options):
     """What setup_dataloader makes of DataLoader(dataset, batch) in process `rank` of `world` (batch: global)."""

@@ -4,9 +4,11 @@ the bench report are also tested here on the CPU, with torch's NVML call replace
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +18,9 @@ import torch
 
 from conftest import ROOT, cuda, run_cli
 from multicard.front import memory
+from multicard.tools import bench, parity
 from multicard.tools.bench_report import markdown, table
+from multicard.trainer.config import TrainConfig
 
 SMALL = ["--data", "synthetic", "--synthetic-samples", "512", "--epochs", "2", "--batch-size", "64", "--quiet"]
 HAS_NVML = importlib.util.find_spec("pynvml") is not None
@@ -103,7 +107,8 @@ def test_ddp_under_torchrun_on_the_card(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"], ["--precision", "bf16", "--compile"]])
+@pytest.mark.parametrize("extra", [[], ["--precision", "bf16"],
+                                   pytest.param(["--precision", "bf16", "--compile"], marks=pytest.mark.slow)])
 def test_fast_path_on_the_card(tmp_path, extra):
     r = run_cli("train", "--devices", "cuda:0", "--device-data", *extra, *SMALL, "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
@@ -111,13 +116,28 @@ def test_fast_path_on_the_card(tmp_path, extra):
     assert math.isfinite(s["train_loss"]) and s["config"]["device_data"] and s["train_samples_per_s"] > 0
 
 
+CARD_BENCH = ["--samples", "2048", "--batch-size", "256", "--repeats", "1", "--fast-batch", "1024", "--devices", "1"]
+
+
+def planned(flags: list[str], cards: int) -> list[str]:
+    """The strategy of each cell `multicard bench FLAGS` runs on a machine with `cards` cards, as the bench itself
+    plans it (never a list copied into a test: the bench grew fsdp once, and its card test kept the old list)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return [name for name, _ in bench.plan(parser.parse_args(flags), cards=cards, cores=16)]
+
+
+def test_the_card_bench_runs_every_strategy_of_the_one_list():  # on the CPU: the plan needs no card
+    assert planned(CARD_BENCH, cards=1) == list(bench.ON_CARDS)
+
+
 @cuda
+@pytest.mark.slow  # a fresh process per cell: with the compile above, most of the CUDA tests' time
 def test_bench_on_the_card(tmp_path):
-    r = run_cli("bench", "--out", str(tmp_path), "--samples", "2048", "--batch-size", "256", "--repeats", "1",
-                "--fast-batch", "1024", "--devices", "1", timeout=300)
+    r = run_cli("bench", "--out", str(tmp_path), *CARD_BENCH, timeout=300)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "bench.json").read_text())
-    assert rep["hardware"]["cards"] and [c["strategy"] for c in rep["cells"]] == ["single", "dp", "dp-balanced", "ddp"]
+    assert rep["hardware"]["cards"] and [c["strategy"] for c in rep["cells"]] == planned(CARD_BENCH, cards=1)
     for row in [*rep["cells"], rep["baseline"], rep["fast"]]:
         assert row["device_names"][0].startswith("cuda:0 ") and row["peak_memory_mb"][0] > 0
         assert len(row["card_used_mb"]) == (1 if HAS_NVML else 0)
@@ -142,7 +162,8 @@ def test_cuda_check_every_strategy_this_machine_runs():
     r = run_cli("check", "--devices", "cuda", "--data", "synthetic", "--synthetic-samples", "256", "--batch-size",
                 "32", "--steps", "4")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == ["ddp", "dp", "dp-balanced"]
+    expected, _ = parity.runnable(TrainConfig(devices="cuda"))  # what the check says it runs, not a copy
+    assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == expected
     assert all(line.endswith("PASS") for line in r.stdout.splitlines() if line.startswith("parity:"))
 
 
@@ -170,3 +191,20 @@ def test_one_card_pays_no_strategy_wrapper(strategy):
         wrapper = model.forward_module
         assert not isinstance(wrapper, (DistributedDataParallel, ParallelModel)), type(wrapper)
         assert strategy == "dp" or wrapper is model.module  # dp keeps DataParallel, which calls the module itself
+
+
+def test_on_a_card_sh_says_failed_for_a_step_whose_python_raised(tmp_path):
+    """The script a card session runs, here on the CPU: its env step's Python line asks for card 0 and raises (it
+    once said "exit 0" for that, the exit code of the step's last command); nvidia-smi is a stand-in that works."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho a stand-in\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/on_a_card.sh", str(out), "env"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable,
+                                                   "PATH": f"{fake}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert re.fullmatch(rf"step env: FAILED \(exit 1\) in \d+ s; see {out}/env.txt\n", r.stdout), r.stdout
+    assert "a stand-in" in (out / "env.txt").read_text() and "Error" in (out / "env.txt").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt", "runs", "steps.txt", "tmp"]  # all of it in OUT

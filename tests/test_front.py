@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from conftest import cuda, sharded, tiny_images
+from conftest import cpu_and_card, sharded, tiny_images
 from multicard.errors import UsageError
 from multicard.front.multicard import Multicard
 from multicard.front.prepared import Prepared
@@ -27,10 +29,41 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.Tanh(), nn.Linear(32, 10))
 
 
+class Placed(TorchFunctionMode):
+    """Follows which tensors were put on a device: a .to(device), a factory given device=, or anything computed
+    from such a tensor. On the CPU every tensor is on the device already, so a tensor a job forgot to move shows
+    only where it meets a model on a card; under this mode a module's forward refuses it on the CPU too."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = tree_leaves((args, kwargs))
+        moved = "device" in kwargs or (func in (torch.Tensor.to, torch.Tensor.cuda) and any(
+            isinstance(a, (torch.device, str)) for a in inputs))
+        if moved or any(getattr(t, "placed", False) for t in inputs if isinstance(t, torch.Tensor)):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    t.placed = True
+        return out
+
+
+def only_placed_inputs(module: nn.Module, inputs: tuple) -> None:
+    """A forward pre-hook: every tensor the module gets was put on the device (under Placed)."""
+    for x in inputs:
+        assert not isinstance(x, torch.Tensor) or getattr(x, "placed", False), "an input never moved to mc.device"
+
+
 def sgd_job(mc: Multicard, folder: str) -> dict:
     """A user's loop: plain SGD (no momentum, so every gradient error shows in the weights) for STEPS steps of a
-    global batch of BATCH, then the collectives, no_backward_sync and a checkpoint from rank 0 only."""
+    global batch of BATCH, then the collectives, no_backward_sync and a checkpoint from rank 0 only. The same
+    body runs on the CPU and on a card: under Placed, an input left off the device fails on the CPU as well."""
+    with Placed():
+        return sgd_steps(mc, folder)
+
+
+def sgd_steps(mc: Multicard, folder: str) -> dict:
     model = mlp()
+    model.register_forward_pre_hook(only_placed_inputs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = mc.setup(model, optimizer)
     criterion = mc.setup_criterion(nn.CrossEntropyLoss())
@@ -42,7 +75,7 @@ def sgd_job(mc: Multicard, folder: str) -> dict:
         optimizer.step()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
 
-    x, y = tiny_images(8, seed=10 + mc.rank)[:]  # different data on every rank
+    x, y = (t.to(mc.device) for t in tiny_images(8, seed=10 + mc.rank)[:])  # different data on every rank
     optimizer.zero_grad()
     with mc.no_backward_sync(model):
         criterion(model(x), y).backward()
@@ -260,12 +293,12 @@ def test_dp_and_dp_balanced_in_a_users_loop(strategy):
         torch.testing.assert_close(w2[key], w1[key], rtol=1e-5, atol=1e-6)
 
 
-# -- on a card ----------------------------------------------------------------------------------------------------
+# -- on the CPU and on a card ------------------------------------------------------------------------------------------
 
-@cuda
+@pytest.mark.parametrize("device", cpu_and_card())
 @pytest.mark.parametrize("strategy, precision", [("single", "fp32"), ("single", "bf16"), ("ddp", "fp32")])
-def test_cuda_users_loop(strategy, precision, tmp_path):
-    result = multicard.launch(sgd_job, str(tmp_path), strategy=strategy, devices="cuda:0", precision=precision)
+def test_users_loop_on_one_device(device, strategy, precision, tmp_path):
+    result = multicard.launch(sgd_job, str(tmp_path), strategy=strategy, devices=device, precision=precision)
     reference = multicard.launch(sgd_job, str(tmp_path), strategy="single", devices="cpu")
     for key, value in reference["weights"].items():
         tolerance = 1e-4 if precision == "fp32" else 5e-2

@@ -152,6 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"run: no such script {args.script}")
     from . import strategies
+    from .front import determinism
     from .jobs.devices import select
     from .jobs.dist import job_from_env
     from .jobs.launcher import job_choice, run_command
@@ -165,7 +166,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except UsageError as e:
         raise UsageError(f"run: {e}") from None
     command = ["-m"] * args.module + [args.script, *args.args]
-    return run_command([sys.executable, *command], strategy.processes, {**job_choice(strategy), **replicas_env(args)})
+    env = {**job_choice(strategy), **replicas_env(args),
+           **(determinism.environment() if args.deterministic else {})}
+    return run_command([sys.executable, *command], strategy.processes, env)
 
 
 def replicas_env(args: argparse.Namespace) -> dict[str, str]:
@@ -226,6 +229,8 @@ def parser() -> argparse.ArgumentParser:
                    "stop)")
     r.add_argument("--replica-check-every", type=value(int), metavar="K", help="optimizer steps between replica "
                    "checks (default: the script's, else 100)")
+    r.add_argument("--deterministic", action="store_true", help="the script's Multicard() runs in deterministic "
+                   "mode (the same result run after run on a card too), as Multicard(deterministic=True)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
     r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
     r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy, syncbn
-from . import closure, memory
+from . import closure, determinism, memory
 from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
@@ -60,16 +60,20 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
     and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). None: multicard run's
     --replica-check / --replica-check-every, else the defaults.
+    deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
+    torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
+    deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
     """
 
     def __init__(self, strategy: str | Strategy = "auto", devices: str = "auto", precision: str = "fp32", *,
                  find_unused_parameters: bool = False, sync_batchnorm: bool = False,
                  fsdp_blocks: str = "", reshard_after_forward: bool = True, timeout: float = 120.0,
                  loggers: Any = None, log_dir: str | Path = "runs/logs", replica_check: str | None = None,
-                 replica_check_every: int | None = None):
+                 replica_check_every: int | None = None, deterministic: bool = False):
         self.job = job_from_env()
         strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
+        self.deterministic = determinism.settle(deterministic, strategy)
         self._strategy, self.precision, self.sync_batchnorm = strategy, precision, sync_batchnorm
         self._state = "new"  # new -> started (this process joined its job) -> closed
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoints.plain import unprefixed
 from ..data import uneven, watch
 from ..errors import UsageError
+from . import determinism
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
@@ -55,8 +56,10 @@ class Prepared(nn.Module):
             else:
                 with torch.autocast(device_type, dtype):
                     out = to_fp32(self.forward_module(*args, **kwargs))
-        except (RuntimeError, ValueError) as error:  # a shape naming the global batch: said under torch's message
-            watch.explain(error)
+        except (RuntimeError, ValueError) as error:  # said in one line, or under torch's message
+            if isinstance(error, RuntimeError):  # an op with no deterministic version: one line
+                determinism.check(error)
+            watch.explain(error)  # a shape naming the global batch
             raise
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
             out = uneven.weigh(out, weight)

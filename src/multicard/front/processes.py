@@ -50,7 +50,7 @@ def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bo
     class imports this module); `replicas`: the replica check's mode and steps between checks."""
     mc = front(strategy, precision=precision, sync_batchnorm=sync_batchnorm,
                    timeout=strategy.timeout_s, loggers=loggers, replica_check=replicas[0],
-                   replica_check_every=replicas[1])
+                   replica_check_every=replicas[1], deterministic=strategy.deterministic)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
     try:
         return mc.launch(fn, *args)

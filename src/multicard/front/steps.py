@@ -12,6 +12,7 @@ from torch import nn
 from ..data import uneven
 from ..errors import UsageError
 from ..jobs.slots import watched
+from . import determinism
 from .precision import autocast
 from .prepared import Prepared
 
@@ -31,7 +32,11 @@ class Steps:
             weight = uneven.applied()
             loss = loss * (self.world_size / weight if weight else self.world_size)
         with watched():  # ddp's gradient reduction ran out of time: told to the launcher, even where it is caught
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            try:
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            except RuntimeError as e:  # an op whose backward has no deterministic version: one line
+                determinism.check(e)
+                raise
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Scale the gradients down so that their norm over ALL parameters of the whole model is at most

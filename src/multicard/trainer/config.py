@@ -114,6 +114,10 @@ class TrainConfig:
     # launching kernels one by one costs more than running them
     compile_mode: str = opt("default", "with --compile: default, reduce-overhead (CUDA graphs) or max-autotune",
                             choices=COMPILE_MODES)
+    # on the CPU a run repeats bit for bit anyway; on a card cuDNN's autotuning and atomic adds make the last digits
+    # differ run to run: this pins them (docs/distributed.md, "On a card"), at some cost in speed
+    deterministic: bool = opt(False, "the same result run after run on a card too: torch's deterministic "
+                              "algorithms, cuDNN without autotuning, cuBLAS's fixed workspace")
 
     # never lose a run: checkpoints to resume from, restarts, and no silent hang
     save_every: int = opt(0, "write a checkpoint into --out/checkpoints every this many epochs (0: never)")

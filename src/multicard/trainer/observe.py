@@ -92,7 +92,7 @@ def curves(history: list[dict], path: Path, title: str = "") -> None:
         lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     loss.legend()
     for ax, name in ((loss, "loss"), (acc, "test accuracy (%)"), (lr, "learning rate")):
-        ax.set_title(name)
+        ax.set_title(name, y=1.0)  # where auto puts it, without measuring every tick label (1/3 of the time)
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)

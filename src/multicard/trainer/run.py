@@ -73,7 +73,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
                    find_unused_parameters=config.find_unused_parameters, sync_batchnorm=config.sync_bn,
                    fsdp_blocks=config.fsdp_blocks, reshard_after_forward=config.reshard_after_forward,
                    timeout=config.timeout, replica_check=config.replica_check,
-                   replica_check_every=config.replica_check_every)
+                   replica_check_every=config.replica_check_every, deterministic=config.deterministic)
     batch_given = config.batch_size is not None
     chosen = batch_given or config.accumulate > 1  # the batch given, not the auto one
     # from the beginning or from which checkpoint, with which recipe: decided once, here (start.py)
@@ -150,7 +150,6 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: dropout differs
     cuda = mc.device.type == "cuda"
-    torch.backends.cudnn.benchmark = cuda  # fixed image shapes: let cuDNN pick its fastest kernels once
     name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     # the auto choices, settled for this process (and so recorded in summary.json's config)
