@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from conftest import cuda, run_cli, tiny_images
+from multicard import safefs
 from multicard.errors import UsageError
 from multicard.front.multicard import Multicard
 from multicard.jobs.devices import Devices
@@ -200,8 +201,9 @@ def test_the_trainer_learns_what_one_device_learns(tmp_path):
         model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(), nn.Linear(32, 10))
         out = tmp_path / strategy.name
         out.mkdir()
-        summary = Multicard(strategy).launch(worker, model, train, test, nn.CrossEntropyLoss(), accuracy,
-                                             replace(config, out=str(out)), (None, None, "epoch"), out)
+        with safefs.Folder.open(out) as folder:  # the run folder as train() hands it on: made, and held
+            summary = Multicard(strategy).launch(worker, model, train, test, nn.CrossEntropyLoss(), accuracy,
+                                                 replace(config, out=str(out)), (None, None, "epoch"), folder.made)
         assert summary["strategy"] == strategy.name
         results.append(([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
                         model.state_dict()))
