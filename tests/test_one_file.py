@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,6 +58,7 @@ def main_only_job(mc, folder: str) -> list[float]:
     return mc.gather(streams_back(mc, folder / "ckpt.pt", saved))
 
 
+@pytest.mark.slow  # waits 3 s for ranks that never come; the mixed test below covers it in the default suite
 def test_a_save_by_rank_0_alone_keeps_its_streams_and_says_the_others_start_afresh(tmp_path, capfd):
     assert multicard.launch(main_only_job, str(tmp_path), strategy="ddp", devices="cpu:2") == [1.0, 0.0]
     err = capfd.readouterr().err
@@ -65,3 +67,27 @@ def test_a_save_by_rank_0_alone_keeps_its_streams_and_says_the_others_start_afre
     assert f"rank 1: {tmp_path / 'ckpt.pt'} holds no random streams of this rank (rank 0 saved without them): " \
            f"they start afresh" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+def mixed_job(mc, folder: str) -> dict:
+    folder = Path(folder)
+    model = mc.setup(nn.Linear(2, 2))
+    for epoch in range(3):
+        torch.manual_seed(10 * epoch + mc.rank)
+        saved = torch.get_rng_state()
+        mc.save(folder / "last.pt", {"model": model})  # every rank
+        if mc.is_main:  # the best so far, on rank 0 alone: waited for once, never again
+            mc.save(folder / "best.pt", {"model": model, "epoch": epoch})
+        mc.all_reduce(torch.ones(1))  # the next epoch's collectives: a rank 0 still waiting would stall them
+    return {"last": mc.gather(streams_back(mc, folder / "last.pt", saved))}
+
+
+def test_last_on_every_rank_and_best_on_rank_0_alone_neither_stalls_nor_loses_streams(tmp_path, capfd):
+    """Saves counted per file name: rank 0's saves of best.pt alone never make it wait for the other ranks'
+    last.pt (which would hold up their next collective until the timeout)."""
+    found = multicard.launch(mixed_job, str(tmp_path), strategy="ddp", devices="cpu:2", timeout=30)
+    assert found["last"] == [1.0, 1.0]
+    err = capfd.readouterr().err
+    assert err.count("best.pt: the other ranks did not save within 3 s") == 1
+    assert "last.pt" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]

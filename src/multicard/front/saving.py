@@ -182,8 +182,8 @@ class Checkpoints:
         this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
         random). Rank 0 writes `path`, one file, atomically; the other ranks hand it their random streams (a
         few KB) and never wait. Call it on every rank after an optimizer step; a save under `if mc.is_main:`
-        works too (its first save waits 3 s for the others, then says they did not come; their streams start
-        afresh on load). Under fsdp every rank writes its shards of the model and optimizers
+        works too (its first save to a name waits 3 s for the others, then says they did not come; their streams
+        start afresh on load; randoms.py). Under fsdp every rank writes its shards of the model and optimizers
         (torch.distributed.checkpoint) into a folder beside `path`, so there every rank must call it."""
         self._start()
         save(self, path, state)
