@@ -105,6 +105,7 @@ class Unpooled(nn.Module):
 """
 
 
+@pytest.mark.slow
 def test_train_deterministic_in_spawned_ranks_says_the_op_in_one_line(tmp_path):
     (tmp_path / "unpooled.py").write_text(MODEL)
     r = run_cli("train", "--model", f"{tmp_path / 'unpooled.py'}:Unpooled", "--data", "synthetic",
@@ -126,6 +127,7 @@ sys.stdout.write(line + "\\n")
 """
 
 
+@pytest.mark.slow
 def test_run_deterministic_reaches_the_scripts_multicard_through_the_environment(tmp_path):
     (tmp_path / "job.py").write_text(SCRIPT)
     r = run_cli("run", "--deterministic", "--devices", "cpu:2", str(tmp_path / "job.py"), determinism.CUBLAS)

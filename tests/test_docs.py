@@ -244,7 +244,8 @@ for where, text in PYTHON:
 """
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nprocs", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                    pytest.param(3, marks=pytest.mark.slow)])  # 1 and 3 in the slow suite
 def test_each_block_that_uses_mc_runs_on_1_2_and_3_processes(nprocs, amp_original, tmp_path):
     """Every such block runs; the port of a loop with its own AMP and clipping prints the original's numbers
     exactly on one process, and on 2 and 3 the same to bf16's rounding (each process's rows pass through bf16 on

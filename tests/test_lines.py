@@ -240,6 +240,7 @@ THREADS = """
 """
 
 
+@pytest.mark.slow
 def test_a_thread_fn_leaves_running_is_named_once_the_timeout_passed_and_the_launch_returns(tmp_path):
     done = run([*script(tmp_path, THREADS), "return"], tmp_path, timeout=60)
     assert done.returncode == 0 and done.stdout == "41\n", done.stderr

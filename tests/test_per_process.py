@@ -21,7 +21,7 @@ mc.backward(cnn(torch.randn(4, 1, 8, 8)).sum() + mlp(torch.randn(4, 4)).sum())
 LINE = "BatchNorm layers and trains on 2 processes"
 
 
-@pytest.mark.parametrize("sync", [False, True])
+@pytest.mark.parametrize("sync", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_batchnorm_left_per_process_is_one_line_on_rank_0_once(tmp_path, sync):
     (tmp_path / "bn.py").write_text(SCRIPT.format(sync=sync))
     result = run_cli("run", "--devices", "cpu:2", str(tmp_path / "bn.py"), env={"OMP_NUM_THREADS": "1"})

@@ -297,6 +297,7 @@ print("done", mc.rank, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_multicard_run_passes_its_flags_to_the_scripts_multicard(tmp_path):
     (tmp_path / "job.py").write_text(SCRIPT)
     out = run_cli("run", "--devices", "cpu:2", "--replica-check-every", "3", str(tmp_path / "job.py"))
@@ -429,6 +430,7 @@ def trainer_model() -> nn.Module:
     return LeNet5()
 
 
+@pytest.mark.slow
 def test_the_trainer_checks_every_step_and_a_correct_run_passes(tmp_path):
     train, test = tiny_images(96, 0), tiny_images(50, 1)
     summary = multicard.train(trainer_model(), train, test, strategy="ddp", devices="cpu:2", epochs=2,

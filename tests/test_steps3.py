@@ -221,7 +221,7 @@ def said(ranks: list[dict], part) -> None:
     assert all(f"failed {part.__name__}" not in r for r in ranks), ranks[0].get(f"failed {part.__name__}")
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3])
+@pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp(f"steps3_{request.param}"))
     return multicard.launch(steps3_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=60)
