@@ -1,9 +1,9 @@
 """What the replica check costs: a training step with and without it, ddp on 2 gloo processes on the CPU.
 
-Result (AMD EPYC, 2 cores, shared with other work (load 8-12), torch 2.13.0+cpu, 2026-11-26, `--repeats 9`,
-results/replica_check.json): one check costs 12.2% of a LeNet-5 step (2.3 ms against 19.1 ms, mostly the gloo
-all-reduce) and 6.2% of a wide-MLP step (168 ms against 2.7 s, mostly reading 397 MiB of weights); at the
-default K = 100 steps between checks that is 0.12% and 0.06% of the training time. K = 20 would be the smallest
+Result (AMD EPYC, 2 cores, idle, torch 2.13.0+cpu, 2026-11-26, `--repeats 9`, results/replica_check.json): one
+check costs 25.4% of a LeNet-5 step (2.0 ms against 7.9 ms, mostly the gloo all-reduce) and 4.6% of a wide-MLP
+step (36 ms against 787 ms, mostly reading 397 MiB of weights); at the default K = 100 steps between checks that
+is 0.25% and 0.05% of the training time. K = 50 would be the smallest
 round K under 1% here; 100 leaves room for cards, where a step is shorter (not measured on a card).
 
 Two models: LeNet-5 (61,706 parameters, Adam, global batch 64 of MNIST-shaped noise) and the wide MLP (104M

@@ -31,7 +31,7 @@ from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, shape
 
 MODES = ("stop", "warn", "off")
-EVERY = 100  # steps between checks: 0.12% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
+EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
 MODE_VAR, EVERY_VAR = "MULTICARD_REPLICA_CHECK", "MULTICARD_REPLICA_CHECK_EVERY"  # what multicard run passes on
 CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
