@@ -38,6 +38,17 @@ def source() -> str:
     return git("rev-parse", "--short", "HEAD") + (" + uncommitted src/ changes" if git("status", "-s", "src") else "")
 
 
+def save(out: Path, record: dict, note: str = "") -> None:
+    """Writes a benchmark's `record` as JSON to `out`, stamped with the commit measured, the command (unless the
+    record names its own) and the date; prints where (after `note`)."""
+    record = {**record, "multicard_source": source(),
+              "command": record.get("command", shlex.join([".venv/bin/python", *sys.argv])),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{note}wrote {out}")
+
+
 def parse_args(doc: str, default_out: str, extra: Callable | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs (after one warm-up epoch)")
@@ -98,14 +109,7 @@ def report(benchmark: str, column: str, heading: str, rates: dict[str, list[floa
         micro = f" {1e6 * per_step / medians[n]:,.0f} |" if per_step else ""
         print(f"| {n} | {medians[n]:,.0f} | {best[n]:,.0f} | {', '.join(f'{r:,.0f}' for r in rates[n])} | "
               f"{statistics.median(accs[n]):.2%} | {ratio} |{micro}")
-    result = {
-        "benchmark": benchmark, "medians_samples_per_s": medians, "ratios": ratios, "best_samples_per_s": best,
-        "runs_samples_per_s": rates, "test_accuracy": accs,
-        "multicard_summary_samples_per_s_all_epochs": summary_rates,
-        "settings": settings, "hardware": hardware, "torch": torch.__version__, "multicard_source": source(),
-        "command": shlex.join([".venv/bin/python", *sys.argv]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    save(out, {"benchmark": benchmark, "medians_samples_per_s": medians, "ratios": ratios,
+               "best_samples_per_s": best, "runs_samples_per_s": rates, "test_accuracy": accs,
+               "multicard_summary_samples_per_s_all_epochs": summary_rates, "settings": settings,
+               "hardware": hardware, "torch": torch.__version__}, note="\n")

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import machine, source
+from _common import machine, save
 
 ARMS = {"torch default": {"GOMP_SPINCOUNT": "300000"}, "one thread": {"OMP_NUM_THREADS": "1"}, "multicard": {}}
 CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # this shell's own choices
@@ -112,10 +112,8 @@ def main() -> None:
             print(f"| {condition} | {arm} | {' | '.join(cells)} |")
     record = {"benchmark": "busy_machine", "epochs": args.epochs, "rounds": args.rounds, "busy": args.busy,
               "arms": ARMS, "runs": runs, "ratios_to_one_thread": ratios, "hardware": hardware,
-              "multicard_source": source(), "command": command, "date": date}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+              "command": command}
+    save(args.out, record, note="\n")
 
 
 if __name__ == "__main__":

@@ -33,10 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import machine, source
+from _common import machine, save
 
 import multicard
 
@@ -151,13 +150,9 @@ def main() -> None:
                                 "peak_memory_mb (peak RSS per process)",
                      "multicard_imported_from": str(Path(multicard.__file__).parent),
                      "pythonpath": os.environ.get("PYTHONPATH", ""), "cwd": os.getcwd()},
-        "hardware": machine(), "multicard_source": source(),
-        "command": shlex.join([".venv/bin/python", *sys.argv]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\ntarget {'holds' if result['target_holds'] else 'MISSED'}; wrote {args.out}")
+    save(args.out, result, note=f"\ntarget {'holds' if result['target_holds'] else 'MISSED'}; ")
 
 
 if __name__ == "__main__":

@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import shlex
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from _common import machine, source
+from _common import machine, save
 from torch import nn
 
 import multicard
@@ -100,12 +96,8 @@ def main() -> None:
               "settings": {"processes": PROCS, "backend": "gloo", "model": f"MLP 4 x Linear({WIDTH}, {WIDTH})",
                            "rows_per_micro_batch_per_process": ROWS, "micro_batches_per_step": ACCUMULATE,
                            "steps_per_turn": args.steps, "repeats": args.repeats, "warmup_steps": 2},
-              "hardware": machine(threads_per_process=max(1, cpu_cores() // PROCS)), "multicard_source": source(),
-              "command": shlex.join([".venv/bin/python", *sys.argv]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+              "hardware": machine(threads_per_process=max(1, cpu_cores() // PROCS))}
+    save(args.out, record)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import machine, source
+from _common import machine, save
 
 ON_CPU = {"single (default)": [], "ddp cpu:2": ["--strategy", "ddp", "--devices", "cpu:2"]}
 ON_CARD = {"one card (default)": ["--devices", "1"]}
@@ -73,17 +72,13 @@ def main() -> None:
     record = {"benchmark": "main_job", "seeds": seeds, "runs": results, "floor_s": floors,
               "floor_command": FLOOR[where],
               "commands": {name: shlex.join(["multicard", "train", *extra]) for name, extra in runs.items()},
-              "hardware": machine(), "multicard_source": source(),
-              "command": shlex.join([".venv/bin/python", *sys.argv]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+              "hardware": machine()}
     if not args.card:
         single, ddp = (statistics.mean(results[name]["accuracy"]) for name in ON_CPU)
         gap = single - ddp
         print(f"\nmean accuracy, single minus ddp cpu:2: {100 * gap:+.2f} points")
         record["single_minus_ddp_points"] = 100 * gap
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save(args.out, record)
 
 
 if __name__ == "__main__":

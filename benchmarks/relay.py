@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import machine, source
+from _common import machine, save
 
 from multicard.jobs import streams
 
@@ -90,12 +87,8 @@ def main() -> None:
     print("\n| launch, rank 0 prints 16 MB in one line | median s | runs |\n|---|---:|---|")
     for how, runs in launches.items():
         print(f"| {how} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
-    result = {"benchmark": "relay", "relay_alone_s": pump, "launch_s": launches, "hardware": machine(),
-              "multicard_source": source(), "command": shlex.join([".venv/bin/python", *sys.argv]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    result = {"benchmark": "relay", "relay_alone_s": pump, "launch_s": launches, "hardware": machine()}
+    save(args.out, result, note='\n')
 
 
 if __name__ == "__main__":

@@ -20,18 +20,14 @@ difference is within the noise for LeNet-5.)
 
 from __future__ import annotations
 
-import json
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import machine, source
+from _common import machine, save
 
 import multicard
 from multicard.jobs.devices import cpu_cores
@@ -116,12 +112,8 @@ def main() -> None:
               "settings": {"processes": PROCS, "backend": "gloo", "global_batch_size": BATCH,
                            "optimizers": {n: o for n, (_, o, _) in MODELS.items()},
                            "steps_per_timing": {n: s for n, (_, _, s) in MODELS.items()}, "repeats": args.repeats},
-              "hardware": machine(threads_per_process=max(1, cpu_cores() // PROCS)), "multicard_source": source(),
-              "command": shlex.join([".venv/bin/python", *sys.argv]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+              "hardware": machine(threads_per_process=max(1, cpu_cores() // PROCS))}
+    save(args.out, result)
 
 
 if __name__ == "__main__":

@@ -117,10 +117,9 @@ def main() -> None:
     import statistics
     import subprocess
     import tempfile
-    from datetime import datetime, timezone
     from pathlib import Path
 
-    from _common import machine, source
+    from _common import machine, save
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--card", action="store_true", help="the main job on one card (--devices 1)")
@@ -162,12 +161,9 @@ def main() -> None:
     record = {"benchmark": "timeline", "where": "card" if args.card else "cpu", "runs": runs, "median_s": median,
               "floor_s": floors, "floor_command": floor_code, "repeats_bit_for_bit": repeats,
               "cudnn_benchmark": args.cudnn_benchmark, "train_command": shlex.join(["multicard", *flags]),
-              "load_after": os.getloadavg()[0], "hardware": machine(), "multicard_source": source(),
-              "command": shlex.join([sys.executable, *sys.argv]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+              "load_after": os.getloadavg()[0], "hardware": machine(),
+              "command": shlex.join([sys.executable, *sys.argv])}
+    save(args.out, record)
 
 
 if __name__ == "__main__":
