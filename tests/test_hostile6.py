@@ -102,6 +102,7 @@ def fsdp_job(mc, folder: str) -> dict:
     """A user's fsdp loop: a save whose shards folder rank 0 made is swapped for a link by the other user; then
     a save onto a disk that fills up under rank 1."""
     folder = Path(folder)
+    torch.manual_seed(0)  # the same weights on every rank: fsdp copies none between them (the replica check)
     model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
     said = {}
     if mc.rank == 0:

@@ -123,13 +123,18 @@ def newest(out: str | Path, outside: bool = True, skipped: list[str] | None = No
 def damage(path: Path) -> str | None:
     """What of checkpoint `path` (a state.pt) is not as its save wrote it: the file, or under fsdp a file of its
     shards folder (None: nothing; one that cannot be read at all is head()'s to say). Each checkpoint's files are
-    read once per process, however often it is asked of."""
-    info = os.stat(path)
-    return _damage(path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    read once per process while they stay as they are (a file replaced or rewritten is read again)."""
+    return _damage(path, *_identity(path), *(_identity(f) for f in sorted(path.parent.glob(f"{path.stem}.shards-*/*"))))
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """What changes when a file is rewritten or replaced (never through a link)."""
+    info = os.lstat(path)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=16)
-def _damage(path: Path, *identity: int) -> str | None:
+def _damage(path: Path, *identity: int | tuple) -> str | None:
     found = sums.damage(path)
     if found:
         return f"its state.pt: {found}"
