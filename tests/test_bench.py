@@ -79,13 +79,13 @@ def test_sweep_writes_json_with_one_cell_per_strategy_and_count(swept):
 @pytest.mark.slow
 def test_sweep_prints_the_table_and_writes_markdown_and_plot(swept):
     out, stdout = swept
-    assert "samples/s" in stdout and "ddp" in stdout and "seed loop" in stdout and "bench.png" in stdout
+    assert "samples/s" in stdout and "ddp" in stdout and "plain loop" in stdout and "bench.png" in stdout
     assert "held MB params" in stdout and "held vs whole" in stdout
     assert "spread" in stdout and "load/cores" in stdout and "1-minute load average" in stdout
     md = (out / "bench.md").read_text()
     assert md.startswith("- hardware:") and "command:" in md and "date:" in md
     assert "| spread | load/cores |" in md and "(fastest - slowest timed epoch) / median" in md
-    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 5  # header, seed loop, 3 cells, fast
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + 5  # header, plain loop, 3 cells, fast
     png = (out / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     assert (out / "cells" / "ddp-2" / "metrics.jsonl").exists()
@@ -163,7 +163,7 @@ def test_derived_numbers():
         return {"strategy": strategy, "devices": devices, "samples_per_s": rate, "loss": loss}
 
     results = {"cells": [cell("single", 1, 100, 2.0), cell("ddp", 1, 90, 2.0), cell("ddp", 2, 150, 2.2)],
-               "baseline": cell("seed loop", 1, 50, 1.0), "fast": cell("single fast", 1, 400, 1.5)}
+               "baseline": cell("plain loop", 1, 50, 1.0), "fast": cell("single fast", 1, 400, 1.5)}
     whole = {"params": 4.0, "grads": 4.0, "optimizer": 8.0}
     for c in results["cells"]:
         c["world_size"] = c["devices"]
@@ -202,7 +202,7 @@ def test_spread_of_the_timed_epochs_and_the_large_ones_flagged():
 def test_busy_machine_when_the_load_is_above_the_cores():
     results = {"cells": [cell("single", 1, [100, 100]), cell("ddp", 1, [100, 100], load_after=3.4),
                          cell("ddp", 2, [200, 200], load_before=2.0, load_after=2.0)],
-               "baseline": {**cell("seed loop", 1, [50, 50]), "load_before": None, "load_after": None}}
+               "baseline": {**cell("plain loop", 1, [50, 50]), "load_before": None, "load_after": None}}
     derive(results)
     assert [c["busy"] for c in results["cells"]] == [False, True, False]  # 2.0 on 2 cores: full, not busy
     assert results["baseline"]["busy"] is None  # not measured

@@ -239,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(run=cmd_env)
     from .tools import bench
 
-    b = sub.add_parser("bench", help="the strategies side by side, against the seeds' plain loop: table, "
+    b = sub.add_parser("bench", help="the strategies side by side, against a plain DataLoader loop: table, "
                        "bench.json, bench.md, bench.png")
     bench.add_arguments(b)
     b.set_defaults(run=bench.run)

@@ -1,6 +1,6 @@
-"""multicard bench: the strategies side by side on synthetic data, against the seeds' plain loop, in one run.
+"""multicard bench: the strategies side by side on synthetic data, against a plain DataLoader loop, in one run.
 
-Every cell (a strategy on N devices, the seeds' loop, the fast path) runs in a fresh process, so that one cell's
+Every cell (a strategy on N devices, the plain loop, the fast path) runs in a fresh process, so that one cell's
 memory never shows in another's (on the CPU, peak memory is a process's peak RSS). Beside the peak, each cell
 reports what each process held of the parameters, their gradients and the optimizer state (memory.shard_bytes,
 at the first optimizer step): the whole model under ddp, 1/N of it under fsdp. Each trains 1 warm-up epoch
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the CPU, 262144 on cards; resnet8 512 / 65536; wide-mlp 256 on the CPU; other models 1024 / "
                    "65536)")
     p.add_argument("--batch-size", type=int, help="global batch of the strategy cells (default: 64 on the CPU, "
-                   "512 on cards; the seeds' loop always uses 64)")
+                   "512 on cards; the plain DataLoader loop always uses 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs after one warm-up epoch; the median is "
                    "reported (default: 3)")
     p.add_argument("--fast-batch", type=int, help="batch of the fast-path cell (default: 256 on the CPU, "
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="fast-path cell: fp32 or bf16 "
                    "autocast (default: fp32)")
     p.add_argument("--compile", action="store_true", help="fast-path cell: torch.compile the model")
-    p.add_argument("--no-baseline", action="store_true", help="skip the seeds' plain loop")
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain DataLoader loop (the baseline)")
     p.add_argument("--no-fast", action="store_true", help="skip the fast-path cell")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default: 0)")
 
@@ -173,8 +173,8 @@ def run_cell(spec: dict) -> dict:
 
 
 def run_seed_loop(spec: dict) -> dict:
-    """The seeds' plain loop on the first device: DataLoader over float tensors (collated sample by sample),
-    batch 64, shuffle, Adam 1e-3, loss.item() every step; the same warm-up / repeats rule."""
+    """The plain loop (as the posts wrote it) on the first device: DataLoader over float tensors (collated sample
+    by sample), batch 64, shuffle, Adam 1e-3, loss.item() every step; the same warm-up / repeats rule."""
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -247,14 +247,14 @@ def measured(fn: Callable[[dict], dict], spec: dict, strategy: str, n: int, batc
 
 
 def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int, cores: int) -> dict:
-    """Run the seeds' loop, every cell and the fast path; each in its own process, one after another."""
+    """Run the plain loop, every cell and the fast path; each in its own process, one after another."""
     out = Path(args.out) / "cells"
     common = {"model": args.model, "samples": args.samples, "seed": args.seed, "repeats": args.repeats,
               "cards": cards, "precision": "fp32", "compile": False, "fast": False}
     results: dict = {"cells": []}
     if not args.no_baseline:
-        spec = {**common, "out": str(out / "seed-loop")}
-        results["baseline"] = measured(run_seed_loop, spec, "seed loop", 1, SEED_BATCH, cores)
+        spec = {**common, "out": str(out / "plain-loop")}
+        results["baseline"] = measured(run_seed_loop, spec, "plain loop", 1, SEED_BATCH, cores)
     for strategy, n in cells:
         spec = {**common, "strategy": strategy, "devices": device_spec(n, cards), "batch": args.batch_size,
                 "out": str(out / f"{strategy}-{n}")}

@@ -35,7 +35,7 @@ def plot(report: dict, path: Path) -> None:
         shared = "" if report["hardware"]["cards"] else " (the processes share its cores)"
         left.plot(counts, [n * ideal["samples_per_s"] for n in counts], "k--", linewidth=1, alpha=0.6,
                   label=f"ideal: N \u00d7 {ideal['strategy']} x1{shared}")
-    for key, style, name in (("fast", ":", "single fast path"), ("baseline", "--", "seeds' plain loop")):
+    for key, style, name in (("fast", ":", "single fast path"), ("baseline", "--", "plain DataLoader loop")):
         if key in report:  # one-device references: levels to read the strategies against, shaded min to max
             r, color = report[key], "green" if key == "fast" else "grey"
             left.axhline(r["samples_per_s"], color=color, linestyle=style,

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 PARITY_NOTE = ("loss parity: |final train loss - single x1's| / single x1's, after the same epochs from the same "
-               "initial weights, data order and global batch (not computed for the seed loop and the fast path, "
+               "initial weights, data order and global batch (not computed for the plain loop and the fast path, "
                "whose batch or data order differ)")
 HELD_NOTE = ("held: MB of parameters / gradients / optimizer state in each process at the first optimizer step "
              "(memory.shard_bytes: of a DTensor only the local shard, each storage once), beside the peak, which "
@@ -126,7 +126,7 @@ def warnings(results: dict) -> list[str]:
 
 def derive(results: dict) -> None:
     """Fill in scaling efficiency (against the same strategy on one device), loss parity (against single x1),
-    speed-up over the seeds' loop, the share of the whole model each process holds, the spread of each row's timed
+    speed-up over the plain loop, the share of the whole model each process holds, the spread of each row's timed
     epochs and whether the machine was busy, in place; then the warnings about all of it."""
     cells, baseline = results["cells"], results.get("baseline")
     one = {c["strategy"]: c for c in cells if c["devices"] == 1}
@@ -163,7 +163,7 @@ def build(args: argparse.Namespace, results: dict, cards: int, cores: int, secon
 
 
 def rows(report: dict) -> list[dict]:
-    """Every measured row in table order: the seed loop, the strategy cells, the fast path."""
+    """Every measured row in table order: the plain loop, the strategy cells, the fast path."""
     return [r for r in [report.get("baseline"), *report["cells"], report.get("fast")] if r]
 
 
@@ -171,7 +171,7 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = ("cell", "devices", "batch", "samples/s", "spread", "load/cores", "ms/step", "scaling", "vs seed loop",
+HEADER = ("cell", "devices", "batch", "samples/s", "spread", "load/cores", "ms/step", "scaling", "vs plain loop",
           "peak MB per {unit}", "held MB params", "grads", "optimizer", "held vs whole", "imbalance", "final loss",
           "loss parity")
 
