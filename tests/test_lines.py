@@ -108,7 +108,7 @@ def importing_torch(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("how", ["script", "stdin"])
+@pytest.mark.parametrize("how", ["script", pytest.param("stdin", marks=pytest.mark.slow)])
 def test_ctrl_c_while_the_ranks_import_torch_is_one_line(tmp_path, how):
     """A script file: each rank imports torch as it runs the script's top level again; `python -`: as it unpickles
     fn. A Ctrl-C (SIGINT to the whole process group, as a terminal sends it) in those first seconds."""
