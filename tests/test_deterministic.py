@@ -4,6 +4,7 @@ line naming it, from the forward, from backward, and from a spawned rank through
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -91,18 +92,7 @@ def test_an_op_without_a_deterministic_version_is_one_line_naming_it():
         mc.setup(nn.Linear(3, 2))(torch.randn(2, 4))
 
 
-MODEL = """
-from torch import nn
-
-class Unpooled(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4 * 4, 10)
-
-    def forward(self, x):
-        pooled, where = nn.functional.max_pool2d(x[:, :, :4, :4], 2, return_indices=True)
-        return self.fc(nn.functional.max_unpool2d(pooled, where, 2).flatten(1))
-"""
+MODEL = "from torch import nn\n\n\n" + inspect.getsource(Unpooled)  # the same model, as a file of its own
 
 
 @pytest.mark.slow

@@ -301,14 +301,20 @@ def test_a_samplers_own_draws_are_read_whole_and_dealt_out(ranks):
                                        f"rows a batch holds (x.size(0)), or by mc.local_batch({8 * world})"]
 
 
-def test_an_ema_of_the_set_up_model_is_a_plain_copy_that_runs_on_rank_0_alone(ranks):
-    said(ranks, ema)
+def one_process_ema() -> AveragedModel:
+    """The EMA one process keeps of Buffered over data(24) in batches of 6: what N processes must end with."""
     model = Buffered()
     averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in DataLoader(data(24), 6):
         sgd(model, optimizer, [(x, y)])
         averaged.update_parameters(model)
+    return averaged
+
+
+def test_an_ema_of_the_set_up_model_is_a_plain_copy_that_runs_on_rank_0_alone(ranks):
+    said(ranks, ema)
+    averaged = one_process_ema()
     assert ranks[0]["copies"] == ["Buffered", "Buffered"]
     torch.testing.assert_close(ranks[0]["ema_eval"], averaged(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
     for r in ranks:
@@ -347,13 +353,7 @@ def test_an_ema_under_fsdp_is_set_up_with_the_model_and_a_copy_of_shards_is_one_
     refused, out = multicard.launch(fsdp_ema, strategy="fsdp", devices="cpu:2", timeout=60)
     assert refused.startswith("copy.deepcopy / AveragedModel of a model set up under fsdp: its parameters are this "
                               "process's shards")
-    model = Buffered()
-    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in DataLoader(data(24), 6):
-        sgd(model, optimizer, [(x, y)])
-        averaged.update_parameters(model)
-    torch.testing.assert_close(out, averaged(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, one_process_ema()(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)
 
 
 # 5. a script that shapes by its batch argument in its test function (pytorch/examples' vae), run as a script
