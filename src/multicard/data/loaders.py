@@ -159,13 +159,14 @@ class Sharded:
 
     def __iter__(self):
         epoch, skip, g = self.epoch, self.skip, self.unit
-        if hasattr(self.sampler, "set_epoch") and not isinstance(self.inner, Split):  # a user's sampler in a Split
-            self.sampler.set_epoch(epoch)  # is left to the user's script, as on one card
-        ordered = isinstance(self.sampler, GlobalOrder)
+        order, batches, split = self.sampler, self._batches, isinstance(self.inner, Split)  # looked up once a pass
+        if hasattr(order, "set_epoch") and not split:  # a user's sampler in a Split
+            order.set_epoch(epoch)  # is left to the user's script, as on one card
+        ordered = isinstance(order, GlobalOrder)
         if ordered:  # the served part of a resumed epoch is left out of the order: never loaded
-            self.sampler.start = skip
-        if isinstance(self._batches, (BatchSampler, Chunks)) and isinstance(self._batches.sampler, Keyed):
-            self._batches.sampler.epoch = epoch  # seed_per_sample: the draws are keyed by this epoch
+            order.start = skip
+        if batches is not None and isinstance(batches.sampler, Keyed):
+            batches.sampler.epoch = epoch  # seed_per_sample: the draws are keyed by this epoch
         self.started = [generator.get_state() for generator in self.generators]
         self.epoch, self.skip, self.place = epoch + 1, 0, (epoch, skip)
         k, drop = self.accumulate, 0 if ordered else skip // g  # a sampler of the user's: read and dropped
@@ -180,10 +181,9 @@ class Sharded:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             if ordered:  # this process's rows of a short last step, weighted as one process weighs them
-                order = self.sampler
                 uneven.record(*uneven.loader_weight(order.size, order.total, order.batch, k, order.rank, order.world,
                                                     skip // g + i, self.share))
-            elif not isinstance(self.inner, Split):  # a batch of its own: no earlier split's weight goes on to it
+            elif not split:  # a batch of its own: no earlier split's weight goes on to it
                 uneven.record(1.0)
             self.place = (epoch, skip + (i + 1 - drop) * g)
             progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
@@ -191,10 +191,10 @@ class Sharded:
                 watch.skipped_twice(epoch, skip, self.counts)  # resumed pass was passed over: the script skips too
             served, forwards = served + 1, watch.forwards()
             yield batch if there else to_device(batch, self.device)
-        for _ in range(len(self) - served) if isinstance(self.sampler, ShardSampler) else ():
+        for _ in range(len(self) - served) if isinstance(order, ShardSampler) else ():
             yield self._empty(batch)  # evaluation: as many batches in every process, this one out of rows
         if ordered:
-            self.sampler.start = 0
+            order.start = 0
         uneven.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
         self.place = None
 
