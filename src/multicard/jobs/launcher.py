@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import jobdir, lifeline, shipping, slots, spawned, streams
+from . import failures, jobdir, lifeline, shipping, slots, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
@@ -74,9 +74,11 @@ class Signals:
                     self.previous[s] = signal.signal(s, self._stop)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
+        if isinstance(error, Stopped):  # a script that lets it reach its top level ends as the signal would end it
+            failures.uncaught_ends_as_signal()
 
     def _stop(self, signum: int, frame: Any) -> None:
         if not self.held:
@@ -110,7 +112,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
     relay = streams.Relay(context)
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
-            work = shipping.pack((fn, args), named)  # opened in each process as spawned.body says (once started)
+            # fn and its arguments go through a file, not the pipe multiprocessing starts a process with: a rank that
+            # ends before it reads them (a script without the __main__ guard) would leave this process blocked for
+            # ever writing more than the pipe holds, deaf to every signal
+            with open(os.path.join(folder, spawned.WORK), "wb") as f:
+                f.write(shipping.pack((fn, args), named))  # opened in each process as spawned.body says
             # every process started is known before a signal is acted on
             with signals.holding(), shipping.main_left_out():
                 _tracker()
@@ -120,7 +126,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
                         ends = relay.ends()
                         env = job_env(rank, nprocs, server.port, folder)
                         process = context.Process(target=spawned.body, name=f"multicard rank {rank}",
-                                                  args=(rank, work, folder, os.getpid(), env, ends))
+                                                  args=(rank, folder, os.getpid(), env, ends))
                         process.start()
                         processes.append(process)
                         relay.started(ends)

@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..front.loggers import TensorBoardLogger
 from ..front.memory import MB
 from ..front.multicard import Multicard
-from ..jobs import lifeline
+from ..jobs import lifeline, spawned
 from ..jobs.failures import RankFailed, said
 from .config import TrainConfig, idle
 from .loop import accuracy, fit
@@ -53,6 +53,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     functions picklable (module-level functions, functools.partial). A name (optimizer="sgd",
     scheduler="cosine") sets the config's field instead. Returns the summary.
     """
+    spawned.end_if_started_again()  # a script without the guard, run again as a rank starts: the launcher says so
     for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
         if isinstance(value, str):
             overrides[name] = value

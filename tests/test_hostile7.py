@@ -1,0 +1,131 @@
+"""Issue 39, a fifth hostile round: a job that never hangs (train at a script's top level, SIGTERM to any job), a
+closed stdout (`| head`), the front object pickled. Each job runs in a child process of its own session with a
+time limit, so a regression fails instead of hanging the suite, and whatever is left of its group is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from test_faults import clean_env, gone, group
+
+
+def started(tmp_path: Path, body: str, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """`body` as the script job.py, run in a session (a process group) of its own."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(body))
+    return subprocess.Popen([sys.executable, str(tmp_path / "job.py"), *args], cwd=tmp_path, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, env=clean_env(TMPDIR=str(tmp_path)),
+                            start_new_session=True)
+
+
+def ended(process: subprocess.Popen, within: float) -> tuple[int, str, str]:
+    """Its exit status, stdout and stderr; killed with its whole group if it has not ended `within` seconds."""
+    try:
+        out, err = process.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"still running after {within} s: {err[-2000:]}")
+    return process.returncode, out or "", err
+
+
+def up(process: subprocess.Popen, ranks: int, within: float = 120) -> None:
+    """Wait until every rank has said "up" on stdout."""
+    deadline, seen = time.monotonic() + within, 0
+    while seen < ranks:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        seen += "up" in process.stdout.readline()
+
+
+# -- a job never hangs -----------------------------------------------------------------------------------------------
+UNGUARDED = """
+    import sys, torch, multicard
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    data = TensorDataset(torch.randn(8192, 16), torch.randint(0, 2, (8192,)))  # pickled, far more than a pipe holds
+    try:
+        multicard.train(nn.Linear(16, 2), data, None, out="out", devices="cpu:2", strategy="ddp", epochs=1,
+                        batch_size=64, quiet=True)
+    except multicard.UsageError as e:
+        print(f"UsageError: {e}", file=sys.stderr)
+        sys.exit(2)
+"""
+
+
+def test_train_at_the_top_level_of_a_script_is_one_line_saying_what_to_add_not_a_hang(tmp_path):
+    """Each rank runs the script's top level again and met train there: it ends at once, the launcher says why, and
+    --out is as it was (no false "another run is writing there", no hang writing to a rank that is gone)."""
+    job = started(tmp_path, UNGUARDED)
+    code, _, err = ended(job, 120)
+    assert code == 2 and err.splitlines() == [
+        "UsageError: job.py calls multicard.launch (or train) at its top level, which every process it starts runs "
+        "again: put that call under `if __name__ == \"__main__\":`"], err
+    assert list((tmp_path / "out").iterdir()) == []
+    assert gone(lambda: group(job.pid), 10)
+
+
+LIBRARY_JOB = """
+    import sys, time, torch, multicard
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    class Slow(nn.Linear):
+        def forward(self, x):
+            time.sleep(0.05)
+            return super().forward(x)
+
+    def job(mc):
+        print("up", flush=True)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        devices = f"cpu:{sys.argv[2]}"
+        if sys.argv[1] == "train":
+            data = TensorDataset(torch.randn(4096, 16), torch.randint(0, 2, (4096,)))
+            multicard.train(Slow(16, 2), data, None, out="out", devices=devices, strategy="ddp", epochs=50,
+                            batch_size=64, save_every_steps=2)
+        else:
+            multicard.launch(job, devices=devices)
+"""
+
+
+def sigterm_ends_the_library_job(tmp_path: Path, how: str, processes: int) -> None:
+    job = started(tmp_path, LIBRARY_JOB, how, str(processes))
+    if how == "train":  # --out holds an earlier run's files, which the stopped one leaves as they were
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "notes.txt").write_text("mine")
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "out").glob("checkpoints/step-*")):
+            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint came"
+            time.sleep(0.1)
+    else:
+        up(job, processes)
+    before = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    code, _, err = ended(job, 60)
+    assert code == -signal.SIGTERM, err
+    assert err.splitlines()[-1] == "multicard: stopped by SIGTERM; every rank was stopped", err
+    assert "Traceback" not in err
+    assert time.monotonic() - before < 30  # the ranks get 5 s after SIGTERM, then SIGKILL
+    assert gone(lambda: group(job.pid), 10)
+    if how == "train":
+        assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == \
+            ["checkpoints", "notes.txt"]
+        assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and not list((tmp_path / "out").glob(".run-*"))
+
+
+def test_sigterm_ends_a_train_call_and_its_ranks_as_the_signal_would(tmp_path):
+    sigterm_ends_the_library_job(tmp_path, "train", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_sigterm_ends_a_three_process_library_job(tmp_path, how):
+    sigterm_ends_the_library_job(tmp_path, how, 3)
