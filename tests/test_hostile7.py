@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from test_faults import clean_env, gone, group
 
 
@@ -129,3 +130,52 @@ def test_sigterm_ends_a_train_call_and_its_ranks_as_the_signal_would(tmp_path):
 @pytest.mark.parametrize("how", ["train", "launch"])
 def test_sigterm_ends_a_three_process_library_job(tmp_path, how):
     sigterm_ends_the_library_job(tmp_path, how, 3)
+
+
+# -- a closed stdout -------------------------------------------------------------------------------------------------
+TALKS = """
+    import multicard
+    mc = multicard.Multicard()
+    step = 0
+    while True:  # until stdout is closed under it
+        mc.all_reduce(1.0)
+        mc.print(f"line {step}")
+        step += 1
+"""
+
+
+def head_of_multicard_run(tmp_path: Path, processes: int) -> None:
+    """`multicard run script.py | head -2`: the reader goes after two lines; the job ends as `yes | head -2`
+    does (by SIGPIPE, a shell shows 141), without a word on stderr, no rank left."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(TALKS))
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", f"cpu:{processes}",
+                            str(tmp_path / "job.py")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=clean_env(TMPDIR=str(tmp_path)), start_new_session=True)
+    assert [job.stdout.readline() for _ in range(2)] == ["line 0\n", "line 1\n"]
+    job.stdout.close()  # what head does once it has its lines
+    code, _, err = ended(job, 60)
+    assert code == -signal.SIGPIPE and err == ""
+    assert gone(lambda: group(job.pid), 10)
+
+
+def test_multicard_run_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
+    head_of_multicard_run(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_multicard_run_of_three_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
+    head_of_multicard_run(tmp_path, 3)
+
+
+@pytest.mark.slow
+def test_multicard_train_into_a_closed_pipe_ends_quietly_by_sigpipe_and_shows_nothing(tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "train", "--devices", "cpu:2", "--data", "synthetic",
+                            "--synthetic-samples", "512", "--epochs", "3", "--out", str(tmp_path / "out")], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=clean_env(TMPDIR=str(tmp_path)), start_new_session=True)
+    assert job.stdout.readline().startswith("multicard: training LeNet5")
+    job.stdout.close()
+    code, _, err = ended(job, 120)
+    assert code == -signal.SIGPIPE and err == ""
+    assert gone(lambda: group(job.pid), 10)
+    assert list((tmp_path / "out").iterdir()) == []

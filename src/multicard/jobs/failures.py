@@ -61,7 +61,8 @@ def uncaught_ends_as_signal() -> None:
         if not isinstance(error, Stopped):
             previous(kind, error, trace)
             return
-        print(f"multicard: stopped by {error}; every rank was stopped", file=sys.stderr, flush=True)
+        if error.signum != signal.SIGPIPE:  # a closed stdout (`| head`) ends a program without a word
+            print(f"multicard: stopped by {error}; every rank was stopped", file=sys.stderr, flush=True)
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:

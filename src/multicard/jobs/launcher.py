@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import failures, jobdir, lifeline, shipping, slots, spawned, streams
+from . import closed, failures, jobdir, lifeline, shipping, slots, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
@@ -170,6 +170,8 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
         return RankFailed(rank, text, meant=True)
     if not kind and processes[rank].exitcode == spawned.UNGUARDED:
         return UsageError(spawned.unguarded())
+    if closed.by_pipe(processes[rank].exitcode) and closed.stdout_closed():  # `| head` read what it wanted
+        return Stopped(signal.SIGPIPE)
     blamed = parted(rank, {r: p.exitcode for r, p in enumerate(processes)}, folder) or \
         blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder, len(processes))
     if blamed:
@@ -204,6 +206,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             if failed is None:
                 return 0
             rank, code = failed
+            if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: nothing to say
+                return closed.SIGPIPE_EXIT
             kind, text = told(folder, rank)
             if kind == "usage":  # the same bad input on every rank: said once
                 print(f"multicard: error: {text}", file=sys.stderr)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline, shipping, slots, streams
+from . import closed, lifeline, shipping, slots, streams
 from .dist import listed
 from .failures import Stopped
 
@@ -74,6 +74,8 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
         _fail("usage", str(e))
     except Exception as e:
         slots.failed(e)
+        if slots.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
+            closed.end_by_sigpipe()
         _fail("trace", traceback.format_exc())
     _watch_threads(rank)
 
