@@ -19,7 +19,11 @@ from torch import nn
 
 import multicard
 from conftest import ROOT
+from multicard.errors import UsageError
+from multicard.trainer import resume
+from test_damaged import flip
 from test_faults import clean_env, gone, group
+from test_hostile3 import train
 
 
 def started(tmp_path: Path, body: str, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
@@ -227,3 +231,43 @@ def test_a_spawned_dataloader_worker_gets_the_front_object_of_its_rank(capfd):
     assert [row[:3] for row in said] == [(r, processes, "cpu") for r in range(processes)]
     assert [row[4] for row in said] == [[[r, processes, 1]] * 2 for r in range(processes)]
     assert capfd.readouterr().out == "a worker of rank 0\n" * 2
+
+
+# -- damage that falls back, named truly -----------------------------------------------------------------------------
+def test_resume_auto_passes_over_a_state_pt_cut_short_and_says_why(tmp_path, capsys):
+    train(tmp_path, save_every_steps=1, keep_checkpoints=0)
+    older, newer = resume.whole(tmp_path)
+    raw = (newer / "state.pt").read_bytes()
+    (newer / "state.pt").write_bytes(raw[:-1])  # one byte short
+    capsys.readouterr()
+    summary = train(tmp_path, resume="auto")
+    assert summary["resumed_from"] == str(older / "state.pt")
+    said = capsys.readouterr().out
+    assert f"multicard: resuming from {older / 'state.pt'} (epoch 1, 24 samples in, after 1 optimizer steps); not " \
+           f"from the newer {newer.name} is unreadable (its state.pt: PytorchStreamReader failed reading zip " \
+           f"archive: failed finding central directory)" in said
+
+
+def test_a_damaged_model_pt_given_to_resume_is_named_as_itself(tmp_path):
+    train(tmp_path / "run")
+    model = (tmp_path / "run" / "model.pt").resolve()
+    flip(model)
+    with pytest.raises(UsageError, match=r"^--resume .*model\.pt: damaged: its model\.pt: its data/0 fails its "
+                                         r"CRC-32, so its bytes are not those its save wrote"):
+        train(tmp_path / "other", resume=str(model))
+
+
+def test_a_flipped_byte_in_fsdps_metadata_is_damage_naming_the_file(tmp_path):
+    mc = multicard.Multicard("fsdp", "cpu")
+    model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    mc.save(tmp_path / "ckpt.pt", {"model": model})
+    metadata = tmp_path / "ckpt.shards-1" / ".metadata"
+    raw = bytearray(metadata.read_bytes())
+    raw[raw.index(b"TensorStorageMetadata") + 3] ^= 0x01  # a class name no longer DCP's: read as planted, before
+    metadata.write_bytes(bytes(raw))
+    with pytest.raises(UsageError) as refused:
+        mc.load(tmp_path / "ckpt.pt", {"model": model})
+    assert str(refused.value) == f"shards folder {metadata.parent}: damaged: its .metadata fails its CRC-32, so its " \
+                                 f"bytes are not those its save wrote; load an earlier checkpoint, or write this one " \
+                                 f"again"
+    mc.close()
