@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 import multicard
-from conftest import ROOT
+from conftest import ROOT, run_cli, tiny_images
 from multicard.errors import UsageError
+from multicard.models import LeNet5
 from multicard.trainer import resume
 from test_damaged import flip
 from test_faults import clean_env, gone, group
-from test_hostile3 import train
+from test_hostile3 import train, tree
 
 
 def started(tmp_path: Path, body: str, *args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
@@ -271,3 +272,122 @@ def test_a_flipped_byte_in_fsdps_metadata_is_damage_naming_the_file(tmp_path):
                                  f"bytes are not those its save wrote; load an earlier checkpoint, or write this one " \
                                  f"again"
     mc.close()
+
+
+# -- the whole path to --out -----------------------------------------------------------------------------------------
+class Swapping(LeNet5):
+    """LeNet-5 whose forward plays the other user on rank 0's `at`-th training call (after checkpoint at-1, before
+    checkpoint `at`): --out renamed away in the folder above it, and a link to `victim` put in its place."""
+
+    def __init__(self, out: Path, victim: Path, at: int):
+        super().__init__()
+        self.out, self.victim, self.at, self.calls = str(out), str(victim), at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += self.training
+        if self.calls == self.at and self.training and os.environ.get("RANK", "0") == "0":
+            os.replace(self.out, self.out + "-moved")
+            os.symlink(self.victim, self.out)
+        return super().forward(x)
+
+
+def out_swapped_mid_run(tmp_path: Path, processes: int) -> None:
+    """Another multicard run's --out sits beside ours in a shared folder, which we trust; mid-run its other user
+    renames our --out away and links theirs in its place. Nothing of theirs changes: our checkpoints, run.json
+    and the shown run land in our folder, wherever it went."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    train(shared / "theirs", save_every_steps=1, epochs=2)  # its step-3 and step-4 kept
+    before = tree(shared / "theirs")
+    shared.chmod(0o777)  # a group's folder: any of them may rename what is in it
+    torch.manual_seed(0)
+    try:
+        multicard.train(Swapping(shared / "mine", shared / "theirs", at=2), tiny_images(48), None,
+                        out=str(shared / "mine"), quiet=True, strategy="ddp" if processes > 1 else "single",
+                        devices=f"cpu:{processes}" if processes > 1 else "cpu", batch_size=24, epochs=3,
+                        save_every_steps=1, trust_dir=str(shared))
+    finally:  # however the run ended
+        assert tree(shared / "theirs") == before
+    assert os.readlink(shared / "mine") == str(shared / "theirs")  # the link stays theirs to remove
+    moved = shared / "mine-moved"
+    mine = resume.owner(moved)["run"]
+    assert [p.name for p in resume.whole(moved, mine)] == ["step-00000005", "step-00000006"]
+    assert (moved / "model.pt").is_file() and (moved / ".current").is_symlink()
+
+
+def test_out_renamed_away_mid_run_for_a_link_to_another_runs_out_redirects_nothing(tmp_path):
+    out_swapped_mid_run(tmp_path, 1)
+
+
+def test_out_renamed_away_mid_run_redirects_nothing_from_spawned_ranks(tmp_path):
+    out_swapped_mid_run(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_out_renamed_away_mid_run_redirects_nothing_from_three_ranks(tmp_path):
+    out_swapped_mid_run(tmp_path, 3)
+
+
+def owned_by_another(monkeypatch, folder: Path, uid: int = 65534) -> None:
+    """What os.stat, os.lstat and os.fstat say of `folder`: owned by another user (nobody, 65534)."""
+    mine = os.stat(folder)
+
+    def faked(real):
+        def said(*args, **kwargs):
+            found = real(*args, **kwargs)
+            if (found.st_dev, found.st_ino) != (mine.st_dev, mine.st_ino):
+                return found
+            return os.stat_result((found.st_mode, found.st_ino, found.st_dev, found.st_nlink, uid, found.st_gid,
+                                   found.st_size, int(found.st_atime), int(found.st_mtime), int(found.st_ctime)))
+        return said
+
+    for name in ("stat", "lstat", "fstat"):
+        monkeypatch.setattr(os, name, faked(getattr(os, name)))
+
+
+@pytest.mark.parametrize("below", ["", "run1", "run1/deeper"])
+def test_an_out_in_or_below_another_users_folder_gets_one_verdict_and_trusting_it_lifts_it(tmp_path, monkeypatch,
+                                                                                         below):
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    owned_by_another(monkeypatch, vol)
+    out = vol / below if below else vol
+    where = f"{out}: {vol}" if below else f"{vol}"
+    with pytest.raises(UsageError) as refused:
+        train(out)
+    assert str(refused.value) == (
+        f"--out {where}: belongs to another user (uid 65534), who could swap what multicard makes there for a link "
+        f"elsewhere; use a folder of your own (or chown it to you), or trust it: --trust-dir {vol} (or "
+        f"MULTICARD_TRUST_DIR={vol})")
+    assert list(vol.iterdir()) == []  # nothing made, nothing written
+    train(out, trust_dir=f"{tmp_path / 'elsewhere'}:{vol}")
+    assert (out / "model.pt").is_file()
+    monkeypatch.setenv("MULTICARD_TRUST_DIR", str(out))  # a folder inside trusts the folders above it too
+    train(out)
+
+
+def test_an_out_below_a_folder_others_can_write_into_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    with pytest.raises(UsageError) as refused:
+        train(shared / "run")
+    assert str(refused.value) == (
+        f"--out {shared / 'run'}: {shared}: other users can write into it (drwxrwxr-x) and could swap what multicard "
+        f"makes there for a link elsewhere; run `chmod go-w {shared}` or choose another folder, or trust it: "
+        f"--trust-dir {shared} (or MULTICARD_TRUST_DIR={shared})")
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody may rename what is not theirs
+    train(shared / "run")
+    assert (shared / "run" / "model.pt").is_file()
+
+
+def test_the_refusal_on_the_command_line_names_the_flag_and_a_trust_elsewhere_does_not_lift_it(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    done = run_cli("train", "--out", str(shared / "run"), "--trust-dir", str(tmp_path / "elsewhere"), timeout=120)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"multicard: error: --out {shared / 'run'}: {shared}: other users can write into it (drwxrwxrwx) and could "
+        f"swap what multicard makes there for a link elsewhere; run `chmod go-w {shared}` or choose another folder, "
+        f"or trust it: --trust-dir {shared} (or MULTICARD_TRUST_DIR={shared})"], done.stderr
