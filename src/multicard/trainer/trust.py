@@ -17,9 +17,11 @@ VAR = "MULTICARD_TRUST_DIR"  # folders trusted, separated by os.pathsep (":"), a
 
 
 def trusted(given: str = "") -> list[str]:
-    """The folders trusted: those --trust-dir names and those MULTICARD_TRUST_DIR names, as real paths."""
-    names = f"{given}{os.pathsep}{os.environ.get(VAR, '')}".split(os.pathsep)
-    return [os.path.realpath(os.path.expanduser(name)) for name in names if name.strip()]
+    """The folders trusted: those --trust-dir names and those MULTICARD_TRUST_DIR names, each as given (made
+    absolute) and as the real path it leads to."""
+    names = [os.path.expanduser(name) for name in f"{given}{os.pathsep}{os.environ.get(VAR, '')}".split(os.pathsep)
+             if name.strip()]
+    return [path for name in names for path in (os.path.abspath(name), os.path.realpath(name))]
 
 
 def covers(path: str | Path, folders: list[str]) -> bool:
@@ -34,17 +36,24 @@ def way_out(path: str | Path) -> str:
     return f", or trust it: --trust-dir {path} (or {VAR}={path})"
 
 
+def above(out: Path) -> list[Path]:
+    """The folders above --out, each as a real path: those its path names as given (the folder holding a link on
+    the way too, where someone could swap that link) and those it resolves to."""
+    given = [Path(os.path.realpath(p)) for p in Path(os.path.abspath(out)).parents]
+    return list(dict.fromkeys([*given, *Path(os.path.realpath(out)).parents]))
+
+
 def check_above(out: Path, folders: list[str]) -> None:
-    """Before --out is made: the folders above it that are there already, as check_out checks them (a refused
-    --out is not even made)."""
-    for above in Path(os.path.realpath(out)).parents:
-        if os.path.isdir(above) and not covers(above, folders):
-            safefs.guard(os.lstat(above), f"--out {out}: {above}", above, way_out(above))
+    """The folders above --out that are there already, as the module says (before --out is made: a refused --out
+    is not even made); one line names the first that fails (the same verdict for --out /vol/run as for --out
+    /vol, where /vol is another user's)."""
+    for folder in above(out):
+        if os.path.isdir(folder) and not covers(folder, folders):
+            safefs.guard(os.lstat(folder), f"--out {out}: {folder}", folder, way_out(folder))
 
 
 def check_out(fd: int, out: Path, folders: list[str]) -> None:
-    """--out, held open as `fd`, and every folder above it, as the module says; one line names the first that
-    fails (the same verdict for --out /vol/run as for --out /vol, where /vol is another user's)."""
+    """--out, held open as `fd` (the folder its path leads to now, or one line), and every folder above it."""
     real = os.path.realpath(out)
     held = os.fstat(fd)
     try:
@@ -56,9 +65,7 @@ def check_out(fd: int, out: Path, folders: list[str]) -> None:
                          f"above it?); nothing was written there")
     if not covers(real, folders):
         safefs.guard(held, f"--out {out}", out, way_out(real))
-    for above in Path(real).parents:
-        if not covers(above, folders):
-            safefs.guard(os.lstat(above), f"--out {out}: {above}", above, way_out(above))  # a link: not its own
+    check_above(out, folders)
 
 
 def check_folder(fd: int, what: str, path: Path, folders: list[str]) -> None:
