@@ -4,9 +4,10 @@
 # slow or rehearse), and the main job's timeline on the card over 3 seeds. The other steps are named to run them
 # (deterministic: deterministic mode's cost and repeatability, measured 2026-11-26).
 # rehearse: 2 processes on card 0 over gloo (--devices 0,0). First the probe (benchmarks/rehearse_probe.py: a line
-# per stage, a time limit per stage, then whether NCCL takes them); where it fails nothing else of the step runs.
-# Then the rehearsal tests (pytest -m rehearse: parity of ddp and fsdp, the user's loop), the user's loop through
-# `multicard run --devices 0,0`, and `multicard train --devices 0,0`.
+# per stage, a time limit per stage, then whether NCCL takes them), then the rehearsal tests (pytest -m rehearse:
+# parity of ddp and fsdp, the user's loop), the user's loop through `multicard run --devices 0,0`, and `multicard
+# train --devices 0,0`; each part has a time limit of its own, and runs whether or not the parts before it passed
+# (a probe that fails at fsdp says nothing of ddp); the step fails if any part does.
 # Everything is written under OUT (default runs/on-a-card): a log per step, the JSON of each benchmark, the runs'
 # folders, and every temporary file (TMPDIR, pytest's, torch.compile's and Triton's caches, matplotlib's).
 # A step whose command fails (a Python line that raised included) is reported failed, and so is the script.
@@ -53,11 +54,11 @@ for s in $steps; do
     env) step env 30 bash -ec "date -u; nvidia-smi; $py -c 'import sys, torch; print(sys.version); \
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'; \
 git log -1 --format=%H 2>/dev/null || echo 'not a git checkout'";;
-    rehearse) step rehearse 180 bash -ec "echo '== probe'; \
-timeout 75 $py benchmarks/rehearse_probe.py --devices cuda:0 --nccl --start-timeout 45 --stage-timeout 20; \
-echo '== pytest -m rehearse'; timeout 90 $tests -v -m 'cuda and rehearse'; \
-echo '== multicard run'; $mc run --devices 0,0 examples/mnist_your_loop.py --epochs 1; \
-echo '== multicard train'; $mc train --devices 0,0 --out $out/runs/rehearse-train";;
+    rehearse) step rehearse 180 bash -c "f=0; echo '== probe'; \
+timeout 75 $py benchmarks/rehearse_probe.py --devices cuda:0 --nccl --start-timeout 40 --stage-timeout 20 || f=1; \
+echo '== pytest -m rehearse'; timeout 80 $tests -v -m 'cuda and rehearse' || f=1; \
+echo '== multicard run'; timeout 40 $mc run --devices 0,0 examples/mnist_your_loop.py --epochs 1 || f=1; \
+echo '== multicard train'; $mc train --devices 0,0 --out $out/runs/rehearse-train || f=1; exit \$f";;
     # -v: a log cut short still names each test
     cuda-tests) step cuda-tests 240 $tests -v -m "cuda and not slow and not rehearse";;
     cuda-slow) step cuda-slow 300 $tests -v -m "cuda and slow";;

@@ -230,11 +230,13 @@ def test_on_a_card_sh_default_fits_one_call_of_under_9_minutes_and_rehearses_fir
 
 
 @pytest.mark.slow
-def test_on_a_card_sh_rehearse_stops_at_the_probe_where_it_fails(tmp_path):
-    """On the CPU the probe's device stage fails (no card): the step fails, and nothing after the probe runs."""
+def test_on_a_card_sh_rehearse_runs_every_part_and_fails_where_one_does(tmp_path):
+    """On the CPU the probe's device stage fails (no card), the rehearsal tests skip, run and train say there is no
+    card: every part ran, and the step failed."""
     out = tmp_path / "out"
     r = subprocess.run(["bash", "benchmarks/on_a_card.sh", str(out), "rehearse"], capture_output=True, text=True,
                        timeout=300, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 1 and r.stdout.startswith("step rehearse: FAILED (exit 1)"), r.stdout + r.stderr
     log = (out / "rehearse.txt").read_text()
-    assert "probe: FAILED at device" in log and "== pytest" not in log, log
+    assert "probe: FAILED at device" in log and log.count("this machine has no CUDA card") == 2, log
+    assert re.search(r"\d+ skipped", log) and "== multicard train" in log, log
