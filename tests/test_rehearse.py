@@ -94,6 +94,13 @@ def test_select_shows_each_shared_card_once_and_names_the_processes_as_they_see_
     assert select("1,0,1").ids == (0, 1, 0) and os.environ["CUDA_VISIBLE_DEVICES"] == "6,4"
 
 
+def test_where_cuda_had_started_the_cards_are_named_again_by_their_ids(monkeypatch):
+    monkeypatch.setattr(devices, "count_cards", lambda: (4, False))  # CUDA started: the visible set is frozen
+    for text, ids in (("2,3", (2, 3)), ("3,3", (3, 3))):
+        chosen = select(text)
+        assert chosen.ids == ids and select(chosen.spec).ids == ids  # not "cuda" (all 4 cards)
+
+
 @pytest.mark.parametrize("chosen, backend", [
     (Devices("cuda", (0, 1)), "nccl"),
     (Devices("cuda", (0,)), "nccl"),
@@ -192,6 +199,7 @@ def test_train_spawns_ddp_on_the_shared_card(cards, no_spawn, tmp_path):
 
 def test_check_compares_one_card_with_processes_sharing_it(cards, no_spawn):
     cards(2)
+    assert parity.runnable(TrainConfig(devices="0,1")) == (["ddp", "dp", "dp-balanced"], "cuda:0,1")
     assert parity.runnable(TrainConfig(devices="1,1")) == (["ddp"], "cuda:0,0")
     assert parity.runnable(TrainConfig(devices="cuda:0,cuda:0", strategy="fsdp")) == (["fsdp"], "cuda:0,0")
     with pytest.raises(Spawned) as e:

@@ -33,9 +33,10 @@ class Devices:
 
     @property
     def spec(self) -> str:
-        """The --devices text that chooses these devices again in a process that sees only these cards (a rank
-        whose launcher narrowed CUDA_VISIBLE_DEVICES): the ids where a card is shared, else the kind."""
-        return f"cuda:{','.join(map(str, self.ids))}" if self.shared else self.kind
+        """The --devices text that chooses these devices again in this process, or in a rank started with its
+        environment: the card ids as this process sees them (after select, CUDA_VISIBLE_DEVICES shows only them);
+        on the CPU the kind (a rank is one process)."""
+        return f"cuda:{','.join(map(str, self.ids))}" if self.kind == "cuda" else self.kind
 
 
 def rehearsal(devices: Devices) -> str:
