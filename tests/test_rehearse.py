@@ -296,3 +296,11 @@ def test_a_stage_that_raises_is_named_with_its_error():
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(r"^probe: device FAILED on rank \d: \w+", r.stdout, re.M), r.stdout
     assert r.stdout.splitlines()[-1] == "probe: FAILED at device"
+
+
+@pytest.mark.slow
+def test_nccl_is_a_question_the_probe_asks_not_a_stage_to_pass():
+    r = probe("--nccl", "--hang-in", "nccl", "--stage-timeout", "30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^probe: nccl hung: ranks? [\d, ]+ still in it after 30 s", r.stdout, re.M), r.stdout
+    assert r.stdout.splitlines()[-1] == "probe: every gloo stage passed; NCCL gave no answer (above)"
