@@ -42,7 +42,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
     single).
-    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
+    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; a card named twice (0,0) rehearses 2 cards
+    on one (one process each, over gloo).
     precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
     same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
     gradients overflowed, counted in mc.skipped_steps; mc.scaler goes into checkpoints).
