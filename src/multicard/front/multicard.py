@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy, syncbn
-from . import closure, determinism, memory
+from . import alike, closure, determinism, memory, owners
 from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
@@ -164,6 +164,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
             launcher.relaunch(self._strategy)
         self._strategy.start(self.job)
         self._state = "started"
+        owners.opened(self._replicas)  # 2+ processes: optimizer steps are watched (owners.py)
         memory.reset(self._strategy.cards)
         if self.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -177,6 +178,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
                 logger.close()
         if self._state == "started":
             self._replicas.close()
+            owners.closed(self._replicas)
             self._strategy.stop()
         self._state = "closed"
 
@@ -205,7 +207,9 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         forward = self._strategy.wrap_model(model)
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
                             reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
-        self._replicas.set_up(model, name, list(prepared.parameters()))
+        parameters = list(prepared.parameters())
+        owners.held(parameters)
+        self._replicas.set_up(model, name, parameters)
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -216,6 +220,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         for optimizer in optimizers:
             closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
             self._replicas.watch(optimizer)
+            owners.set_up(optimizer)  # its parameters outside the set-up models: gradients averaged
         self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
@@ -251,6 +256,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        if train:
+            alike.dealt()
         agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
