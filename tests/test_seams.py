@@ -149,6 +149,13 @@ def temperature_case(mc: Multicard) -> dict:
     loop(alone, alone_optimizer, batches(), alone_t)  # one process over the same global batches
     found = {"gap": max(abs(t.item() - alone_t.item()), (model.weight - alone.weight).abs().max().item()),
              "t": mc.gather(t.item())}
+    t2 = nn.Parameter(torch.ones(()))  # one more, added to the set-up optimizer later: averaged from its first step
+    optimizer.add_param_group({"params": [t2]})
+    for rows in (slice(0, 12), slice(12, 24)):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(mc.local(X[rows])) * t * t2, mc.local(Y[rows])).backward()
+        optimizer.step()
+    found["t2"] = mc.gather(t2.item())
     planted = 0.5 if mc.rank == mc.world_size - 1 else 0.0
     with torch.no_grad():
         t.add_(planted)
@@ -198,6 +205,7 @@ def test_the_seams_of_a_loop_are_one_line_each_and_correct_loops_stay_silent(wor
     found = multicard.launch(items_job, strategy="ddp", devices=f"cpu:{world}")
     t = found["temperature"]
     assert t["gap"] < 1e-5 and len(set(t["t"])) == 1  # the temperature averaged: one process's steps
+    assert len(set(t["t2"])) == 1 and t["t2"][0] != 1.0
     for name, (line, said) in found["silent"].items():
         assert (line, lines(said)) == (None, []), name
     if world == 1:  # nothing to part: every case trains as written, silently

@@ -67,7 +67,8 @@ def closed(check: Any) -> None:
 
 
 def held(parameters: list[torch.nn.Parameter]) -> None:
-    """A set-up model's parameters: reduced by its wrapper (an averaging hook put on one earlier comes off)."""
+    """A set-up model's parameters: reduced by its wrapper (an averaging hook put on one earlier comes off; what
+    each optimizer holds outside the models is looked at again)."""
     if not _jobs:
         return
     for p in parameters:
@@ -75,6 +76,7 @@ def held(parameters: list[torch.nn.Parameter]) -> None:
         handle = _averaged.pop(p, None)
         if handle is not None:
             handle.remove()
+    _seen.clear()
 
 
 def set_up(optimizer: torch.optim.Optimizer) -> None:
@@ -82,7 +84,8 @@ def set_up(optimizer: torch.optim.Optimizer) -> None:
     if not _jobs:
         return
     _optimizers.add(optimizer)
-    _seen[optimizer] = _count(optimizer), _average(strays(optimizer))
+    _seen.pop(optimizer, None)
+    _known(optimizer)
 
 
 def strays(optimizer: torch.optim.Optimizer) -> list[tuple[int, int, torch.Tensor]]:
@@ -103,8 +106,19 @@ def outside(optimizers: list[torch.optim.Optimizer]) -> list[tuple[str, torch.Te
     for n, optimizer in enumerate(optimizers):
         whose = "the optimizer's" if len(optimizers) == 1 else f"optimizer {n}'s"
         found += [(f"{whose} parameter {i} of param group {g} (outside the set-up models)", p)
-                  for g, i, p in strays(optimizer)]
+                  for g, i, p in _known(optimizer)[0]]
     return found
+
+
+def _known(optimizer: torch.optim.Optimizer) -> tuple[list[tuple[int, int, torch.Tensor]], list[torch.Tensor]]:
+    """The optimizer's strays, looked at again only where its parameters changed (a set-up optimizer's new ones
+    hooked: those are returned second)."""
+    count, seen = _count(optimizer), _seen.get(optimizer)
+    if seen is not None and seen[0] == count:
+        return seen[1], []
+    found = strays(optimizer)
+    _seen[optimizer] = count, found
+    return found, _average(found) if optimizer in _optimizers else []
 
 
 def _count(optimizer: torch.optim.Optimizer) -> int:
@@ -120,12 +134,13 @@ def _wrapped_by_torch() -> set[int]:
     return {id(p) for o in gc.get_objects() if issubclass(type(o), kinds) for p in o.module.parameters()}
 
 
-def _average(found: list[tuple[int, int, torch.Tensor]]) -> list:
-    """Hook each parameter that trains: its gradient averaged over the processes once accumulated."""
-    for _, _, p in found:
-        if p.requires_grad and p not in _averaged:
-            _averaged[p] = p.register_post_accumulate_grad_hook(_averaged_grad)
-    return found
+def _average(found: list[tuple[int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """Hook each parameter that trains: its gradient averaged over the processes once accumulated. Returns those
+    hooked now."""
+    fresh = [p for _, _, p in found if p.requires_grad and p not in _averaged]
+    for p in fresh:
+        _averaged[p] = p.register_post_accumulate_grad_hook(_averaged_grad)
+    return fresh
 
 
 def _averaged_grad(parameter: torch.Tensor) -> None:
@@ -139,23 +154,12 @@ def _averaged_grad(parameter: torch.Tensor) -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """torch's global pre-step hook: count the step; the first step of an optimizer (or the first after its
-    parameters changed) looks at what it changes."""
+    """torch's global pre-step hook: count the step, and look at what it changes (once per optimizer, again where
+    its parameters changed; a set-up optimizer's parameters added since have this step's gradients averaged)."""
     _state["steps"] += 1
-    count = _count(optimizer)
-    seen = _seen.get(optimizer)
-    if seen is not None and seen[0] == count:
-        found = seen[1]
-    elif optimizer in _optimizers:  # a set-up optimizer given more parameters: average their gradients too,
-        found = strays(optimizer)
-        fresh = [p for _, _, p in found if p not in _averaged]  # this step's gradients already
-        _seen[optimizer] = count, _average(found)
-        for p in fresh:
-            _averaged_grad(p)
-        return
-    else:
-        found = strays(optimizer)
-        _seen[optimizer] = count, found
+    found, fresh = _known(optimizer)
+    for p in fresh:
+        _averaged_grad(p)
     if found and optimizer not in _optimizers and any(p.grad is not None for _, _, p in found):
         _say_unowned(optimizer, [p for _, _, p in found])
 
