@@ -58,8 +58,10 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
     replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
     compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
-    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). None: multicard run's
-    --replica-check / --replica-check-every, else the defaults.
+    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). The same mode governs the
+    seams: an optimizer step over parameters no set-up model holds (owners.py), and mc.local on batches the
+    processes drew apart, compared every K calls (alike.py). None: multicard run's --replica-check /
+    --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
