@@ -4,6 +4,7 @@ kills whatever is left of that group when it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -134,6 +135,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
     run.training()
     workers = run.workers()
     assert len(workers) == 2
+    assert [os.getsid(pid) for pid in workers] == workers  # each leads a session of its own: see the next test
     os.kill(run.pid, getattr(signal, name))
     code, err = run.end(30)
     assert code == 128 + getattr(signal, name)
@@ -141,6 +143,60 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
     assert "leaked semaphore" not in err  # the ranks were stopped cleanly, not killed
     assert running(workers) == [] and gone(lambda: group(run.pid), 5)
     assert not (tmp_path / "out" / "model.pt").exists()
+
+
+SESSIONS = """
+import os, time
+import multicard
+
+mc = multicard.Multicard()
+print(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}", flush=True)
+try:
+    while True:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    print(f"rank {mc.rank}: KeyboardInterrupt", flush=True)
+"""
+
+
+def test_run_ranks_lead_sessions_of_their_own_and_hear_ctrl_z_and_ctrl_c_through_the_launcher(tmp_path):
+    """Each rank leads a session of its own, as torchrun's do: Linux shares a busy machine's cores between sessions
+    first (autogroup), and ranks in the user's shell session shared one part of it (2x the time beside 4 busy
+    processes). Out of the terminal's reach, they hear of Ctrl-Z and Ctrl-C (SIGTSTP, SIGINT to the terminal's
+    foreground group: the launcher) through it: they pause with it, go on after `fg` (SIGCONT), and the script sees
+    its KeyboardInterrupt as it would alone."""
+    (tmp_path / "job.py").write_text(SESSIONS)
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "job.py"], cwd=tmp_path,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in job.stdout], daemon=True).start()
+    ranks = []
+    try:
+        assert sorted(lines.get(timeout=120) for _ in range(2)) == [
+            f"rank {r} leads a session of its own: True" for r in (0, 1)]
+        ranks = [pid for pid in processes() if stat(pid)[1] == str(job.pid)]
+        assert len(ranks) == 2
+        os.killpg(job.pid, signal.SIGTSTP)
+        assert settles(lambda: [stat(pid)[0] for pid in (job.pid, *ranks)] == ["T"] * 3)
+        os.killpg(job.pid, signal.SIGCONT)
+        assert settles(lambda: all(stat(pid)[0] not in ("T", "t") for pid in (job.pid, *ranks)))
+        os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(60) == 130
+        assert sorted(lines.get(timeout=30) for _ in range(2)) == [f"rank {r}: KeyboardInterrupt" for r in (0, 1)]
+        assert job.stderr.read().splitlines()[-1] == "multicard: stopped by SIGINT; every rank was stopped"
+    finally:
+        for pid in (job.pid, *ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def settles(check, within: float = 30) -> bool:
+    """Whether check() holds within `within` seconds."""
+    deadline = time.monotonic() + within
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()
 
 
 @pytest.mark.parametrize("when", ["start-up", pytest.param("training", marks=pytest.mark.slow)])
