@@ -206,12 +206,18 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def ranks_env(nprocs: int, env: dict[str, str]) -> dict[str, str]:
+    """`env`, and what else each of `nprocs` ranks started here finds in its environment besides this process's own:
+    torch's threads and how they wait (devices.openmp_env), where neither says."""
+    return {**openmp_env(nprocs, {**os.environ, **env}), **env}
+
+
 def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
     """Run `command` as ranks 0..nprocs-1 of one job; return 0 when all end well, else the first failure's
     exit code (128 + N for signal N). A signal to this process stops them all."""
     server = store()
     procs: list[subprocess.Popen] = []
-    env = {**openmp_env(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # threads, and how they wait
+    env = ranks_env(nprocs, env or {})
     stopping = signal.SIGTERM
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
