@@ -111,6 +111,9 @@ class Frozen:
     def terminate(self):
         pass
 
+    def send_signal(self, signum):
+        pass
+
     kill = terminate
 
 
