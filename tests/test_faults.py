@@ -161,8 +161,8 @@ except KeyboardInterrupt:
 
 def test_run_ranks_lead_sessions_of_their_own_and_hear_ctrl_z_and_ctrl_c_through_the_launcher(tmp_path):
     """Each rank leads a session of its own, as torchrun's do: Linux shares a busy machine's cores between sessions
-    first (autogroup), and ranks in the user's shell session shared one part of it (2x the time beside 4 busy
-    processes). Out of the terminal's reach, they hear of Ctrl-Z and Ctrl-C (SIGTSTP, SIGINT to the terminal's
+    first (autogroup), and ranks in the user's shell session shared one part of it (the same job waited for cores
+    torchrun's got). Out of the terminal's reach, they hear of Ctrl-Z and Ctrl-C (SIGTSTP, SIGINT to the terminal's
     foreground group: the launcher) through it: they pause with it, go on after `fg` (SIGCONT), and the script sees
     its KeyboardInterrupt as it would alone."""
     (tmp_path / "job.py").write_text(SESSIONS)

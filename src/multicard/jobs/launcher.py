@@ -12,9 +12,9 @@ means (SIGKILL included) takes them along, through the kernel.
 
 Each rank runs in a session of its own, as torchrun's ranks do. Linux shares the cores between sessions first
 (autogroup scheduling, on by default), so ranks left in the user's shell session share one session's part of a
-busy machine with everything else that shell started, where torchrun's get one part each: beside 4 busy processes,
-a 2-process job took twice as long (benchmarks/busy_launch.py). Out of the terminal's reach, a rank hears of
-Ctrl-C and Ctrl-Z from this process (Signals), which passes them on.
+busy machine with everything else that shell started, where torchrun's get one part each: the same job waited
+for cores, with the same CPU time (benchmarks/busy_launch.py). Out of the terminal's reach, a rank hears of Ctrl-C
+and Ctrl-Z from this process (Signals), which passes them on.
 """
 
 from __future__ import annotations
