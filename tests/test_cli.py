@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, shown
+from conftest import HUNG_S, ROOT, run_cli, shown
 from multicard.cli import main
 from multicard.models import LeNet5
 from multicard.tools.bench_report import cpu_name
@@ -63,14 +63,14 @@ def test_the_documented_way_to_load_a_model_runs_as_written(tmp_path):
     (tmp_path / "runs" / "train").mkdir(parents=True)
     torch.save(LeNet5().state_dict(), tmp_path / "runs" / "train" / "model.pt")
     code = f"import torch\nimport multicard\n{line.replace(chr(10), ' ')}\nprint(type(model).__name__)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=HUNG_S)
     assert result.returncode == 0 and result.stdout == "LeNet5\n", result.stderr
 
 
 def test_importing_the_cli_does_not_import_torch():
     code = ("import sys, multicard, multicard.cli; multicard.cli.parser(); multicard.TrainConfig; "
             "print('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
 from multicard.jobs import dist, launcher, outcome, slots
 from multicard.jobs.dist import Job
@@ -173,7 +173,7 @@ def test_run_ranks_lead_sessions_of_their_own_and_hear_ctrl_z_and_ctrl_c_through
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in job.stdout], daemon=True).start()
     ranks = []
     try:
-        assert sorted(lines.get(timeout=120) for _ in range(2)) == [
+        assert sorted(lines.get(timeout=HUNG_S) for _ in range(2)) == [
             f"rank {r} leads a session of its own: True" for r in (0, 1)]
         ranks = [pid for pid in processes() if stat(pid)[1] == str(job.pid)]
         assert len(ranks) == 2
@@ -231,9 +231,7 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, runs):
     run = runs(tmp_path / "out", "--timeout", "5")
     run.training()
     os.kill(run.workers()[1], signal.SIGSTOP)
-    start = time.monotonic()
-    code, err = run.end(5 + 15)
-    assert time.monotonic() - start < 5 + 15
+    code, err = run.end(5 + 120)  # the timeout, then the stop (grace 5 s); no hang, however busy the machine
     assert code != 0
     assert ("multicard: rank 1 stopped making progress (it was stopped by a signal; rank 0 timed out waiting for it "
             "after 5 s); every rank was stopped") in err
@@ -252,7 +250,7 @@ def test_multicard_run_names_a_frozen_rank(tmp_path):
                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
-        err = out.communicate(timeout=60)[1]
+        err = out.communicate(timeout=HUNG_S)[1]
         assert out.returncode != 0
         assert err.rstrip().splitlines()[-1] == ("multicard: rank 1 stopped making progress (it was stopped by a "
                                                  "signal; rank 0 timed out waiting for it after 3 s); every rank was "
@@ -271,8 +269,8 @@ def test_a_stale_environment_names_the_missing_rank(tmp_path):
     out = subprocess.run([sys.executable, "-m", "multicard", "train", "--data", "synthetic", "--synthetic-samples",
                           "64", "--epochs", "1", "--quiet", "--timeout", "3", "--out", str(tmp_path)], cwd=ROOT,
                          env=clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and time.monotonic() - start < 30
+                         capture_output=True, text=True, timeout=HUNG_S)
+    assert out.returncode == 2 and time.monotonic() - start < 100  # --timeout 3, not the default 120 s
     assert out.stderr.splitlines() == [
         f"multicard: error: rendezvous at 127.0.0.1:{port}: 1 of 2 processes joined within 3 s; missing rank 1 "
         f"(RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT came from the environment (torchrun, SLURM or your shell): a "
@@ -283,8 +281,8 @@ def test_a_stale_environment_names_the_missing_rank(tmp_path):
                                         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment is not a")])
 def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
     start = time.monotonic()
-    out = run_cli("train", "--out", str(tmp_path), env=clean_env(**env), timeout=60)
-    assert out.returncode == 2 and time.monotonic() - start < 30
+    out = run_cli("train", "--out", str(tmp_path), env=clean_env(**env), timeout=HUNG_S)
+    assert out.returncode == 2 and time.monotonic() - start < 100  # refused before any wait (the timeout: 120 s)
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("multicard: error: ") and words in lines[0]
 
@@ -313,10 +311,14 @@ def test_progress_reaches_the_launcher(slot):
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
     monkeypatch.delenv(slots.PROGRESS, raising=False)
     monkeypatch.setattr(slots, "_slot", None)
-    start = time.perf_counter()
-    for _ in range(100_000):
-        slots.progress()
-    assert time.perf_counter() - start < 1  # about 0.2 us a call
+    def timed(call) -> float:
+        start = time.perf_counter()
+        for _ in range(100_000):
+            call()
+        return time.perf_counter() - start
+
+    # about 0.2 us a call, a few times a call that does nothing (the reference, timed alike: a busy machine slows both)
+    assert timed(slots.progress) < 20 * timed(lambda: None) + 0.05
 
 
 def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path):
@@ -399,7 +401,7 @@ def test_a_rank_whose_launcher_died_while_it_imported_ends_once_it_watches():
     launcher = ("import os, subprocess, sys\n"
                 "rank = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdout=subprocess.PIPE, text=True)\n"
                 "rank.stdout.readline()\nos._exit(0)\n")  # gone once the rank has imported multicard
-    done = subprocess.run([sys.executable, "-c", launcher, rank], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-c", launcher, rank], capture_output=True, text=True, timeout=HUNG_S,
                           cwd=ROOT, env=clean_env())
     assert re.fullmatch(r"multicard: rank 1: its launcher \(pid \d+\) is gone; this rank ends\n", done.stderr)
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import HUNG_S, run_cli
 from multicard.cli import main
 from multicard.jobs.devices import usable_cores
 from multicard.tools.script import misplaced
@@ -93,7 +93,7 @@ def test_run_stops_the_job_at_the_first_failure_and_names_the_rank(tmp_path):
 
 def test_a_plain_python_script_that_needs_two_processes_starts_them(tmp_path):
     out = subprocess.run([sys.executable, script(tmp_path), "cpu:2", "x"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HUNG_S)
     assert out.returncode == 0, out.stderr[-3000:]
     assert ranks_said(out.stdout) == [f"rank {r} of 2 ddp multicard args ['x']" for r in (0, 1)]
 
