@@ -8,8 +8,12 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..strategies import Strategy
 
 
 def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
@@ -53,7 +57,7 @@ def say(line: str) -> None:
     print(f"multicard: {line}", file=sys.stderr, flush=True)
 
 
-def start_line(script: str, strategy, env: dict[str, str]) -> str:
+def start_line(script: str, strategy: Strategy, env: dict[str, str]) -> str:
     """What the job is: the strategy, its processes on which devices, torch's threads in each; with several
     processes, that each runs the whole script."""
     n, devices = strategy.processes, strategy.devices
