@@ -1,13 +1,13 @@
 """A user's 2-process loop on the CPU, started by `multicard run`, by torchrun (plain DDP) and by `accelerate launch`,
 beside 0, 2 and 4 spinning processes: whether multicard's launch makes its ranks wait on a busy machine.
 
-Each run is a whole command in a fresh process, timed from start to exit; benchmarks/_busy_loop.py is the loop
-(the same model, data and steps under every launcher) and prints the seconds of its steps. The spinners
-(`python -c "while True: pass"`) each run in a session of their own, as other people's work does (with
---same-session: in this script's session, as `cmd &` from the user's shell). Runs are interleaved: each round
-runs every launcher at every load, the launchers' order rotating. Per load: min / median / max of the whole
-command, the median of the loop alone and of the CPU seconds (the command's processes together), and multicard's
-median over the fastest other launcher's (the goal: at most 1.00x at every load).
+Each run is a whole command in a fresh process, timed from start to exit, after one untimed start of each
+launcher; benchmarks/_busy_loop.py is the loop (the same model, data and steps under every launcher) and prints
+the seconds of its steps. The spinners (`python -c "while True: pass"`) each run in a session of their own, as
+other people's work does (with --same-session: in this script's session, as `cmd &` from the user's shell). Runs
+are interleaved: each round runs every launcher at every load, the launchers' order rotating. Per load: min /
+median / max of the whole command, the median of the loop alone and of the CPU seconds (the command's processes
+together), and multicard's median over the fastest other launcher's (the goal: at most 1.00x at every load).
 
     .venv/bin/python benchmarks/busy_launch.py [--rounds 3] [--steps 300] [--spinners 0,2,4] [--out FILE]
 
@@ -103,6 +103,8 @@ def main() -> None:
     loads = [int(n) for n in args.spinners.split(",")]
     runs: dict = {n: {name: [] for name in launchers} for n in loads}
     names = list(launchers)
+    for name in names:  # untimed: the first start of each reads its files from disk (and compiles them, once)
+        run(launchers[name], 10, args.timeout)
     for round_ in range(args.rounds):
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for n in loads:
