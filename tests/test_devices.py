@@ -10,6 +10,7 @@ import tracemalloc
 
 import pytest
 
+from conftest import HUNG_S
 from multicard import strategies
 from multicard.errors import UsageError
 from multicard.jobs import devices
@@ -315,7 +316,7 @@ def spin_counts(stderr: str) -> list[str]:
 def test_the_cli_tells_openmp_to_wait_passively_before_torch_loads_it_on_a_busy_machine(busy, spin):
     code = BUSY.format(busy=busy) + "from multicard.cli import main\nsys.exit(main(['env']))\n"
     env = {k: v for k, v in os.environ.items() if k not in WAITING} | DISPLAY
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     if not spin_counts(result.stderr):
         pytest.skip("this torch's OpenMP is not libgomp (it prints no GOMP_SPINCOUNT)")
@@ -326,7 +327,7 @@ def test_the_launcher_tells_each_rank_to_wait_passively_on_a_busy_machine():
     code = BUSY.format(busy=True) + ("from multicard.jobs.launcher import run_command\n"
                                      "sys.exit(run_command([sys.executable, '-c', 'import torch'], 2))\n")
     env = {k: v for k, v in os.environ.items() if k not in WAITING} | DISPLAY
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     if not spin_counts(result.stderr):
         pytest.skip("this torch's OpenMP is not libgomp (it prints no GOMP_SPINCOUNT)")
