@@ -15,9 +15,12 @@ from multicard.data.images import ImageData
 from multicard.data.loaders import shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# how long a process a test starts may run before it is taken for hung: no test fails because the machine is busy
+# (the slowest default-suite run took 70 s at load ~15 on 2 cores; a hang is caught all the same, later)
+HUNG_S = 900
 
 
-def run_cli(*args: str, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = HUNG_S, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     """`python -m multicard ARGS` in a new process, output captured as text."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "multicard", *args], capture_output=True, text=True,
@@ -45,9 +48,38 @@ def tiny():
     return tiny_images(96, 0), tiny_images(50, 1)
 
 
+def where_measured() -> bool:
+    """Whether this is the machine the docs' result figures were measured on (a 2-core AMD EPYC, torch 2.13.0):
+    there the tests hold them exactly, at the thread count each names; elsewhere the CPU model moves their last
+    digits."""
+    from multicard.jobs.devices import cpu_cores
+    from multicard.tools.bench_report import cpu_name
+
+    return cpu_name() == "AMD EPYC" and cpu_cores() == 2 and torch.__version__.split("+")[0] == "2.13.0"
+
+
 def cuda(test):
     """Marks a test `cuda` (so that `pytest -m cuda` selects it) and skips it where no card is visible."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")(test))
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0,
+                what: str = "") -> None:
+    """The one comparison of tensors that may come from a card: both are brought to the CPU first (torch.equal of a
+    card's tensor and a CPU one raises, and a test run on the CPU alone never sees that), then compared: equal bit
+    for bit, or within atol + rtol * |expected|. A failure says which side was on which device."""
+    try:
+        torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), atol=atol, rtol=rtol)
+    except AssertionError as e:
+        raise AssertionError(f"{what + ': ' if what else ''}actual (on {actual.device}) and expected (on "
+                             f"{expected.device}) differ: {e}") from None
+
+
+def rehearsal(test):
+    """Marks a card test of several processes `cuda` and `rehearse`: with fewer cards than processes they share a card
+    (--devices 0,0, over gloo), the code path of as many cards; benchmarks/on_a_card.sh runs these after its probe of
+    gloo on a shared card, so that a hang there costs the probe's time limit, not the other CUDA tests'."""
+    return pytest.mark.rehearse(cuda(test))
 
 
 def cpu_and_card(card: str = "cuda:0") -> list:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
 from multicard.tools import bench
 from multicard.tools.bench_files import plot
@@ -29,7 +29,7 @@ LENET5_MB = 61_706 * 4 / 2**20  # LeNet-5's parameters in fp32
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    result = run_cli("bench", "--out", str(out), *TINY, env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=240)
+    result = run_cli("bench", "--out", str(out), *TINY, env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     return out, result.stdout
 
@@ -96,7 +96,7 @@ def test_fsdp_cells_hold_a_share_of_the_model_each(tmp_path):
     out = tmp_path / "bench"
     result = run_cli("bench", "--out", str(out), "--strategies", "fsdp", "--devices", "1,2", "--samples", "64",
                      "--batch-size", "32", "--repeats", "1", "--no-baseline", "--no-fast",
-                     env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=240)
+                     env={**CPU_ONLY, "OMP_NUM_THREADS": "1"}, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "bench.json").read_text())
     one, two = report["cells"]

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, shown
+from conftest import HUNG_S, ROOT, run_cli, shown
+from multicard.cli import main
+from multicard.models import LeNet5
+from multicard.tools.bench_report import cpu_name
+from multicard.trainer.config import FLAG_GROUPS, TrainConfig
 
 FAST = {"OMP_NUM_THREADS": "1"}  # 2 shared cores: one thread per run is quicker
 CHEAP_DATA = ("--data", "synthetic", "--synthetic-samples", "64", "--quiet")  # a case's own --data comes later
@@ -23,21 +29,48 @@ def test_help_is_fast_and_lists_the_commands():
     result = run_cli("--help")
     assert result.returncode == 0, result.stderr
     assert "train" in result.stdout and "env" in result.stdout and result.stderr == ""
+    examples = result.stdout.split("examples:\n", 1)[1]  # commands to copy, and where the docs are
+    assert "  multicard run --devices cpu:2 my_script.py " in examples and "docs/cli.md" in examples
 
 
-def test_train_help_lists_the_flags():
+def test_every_command_says_what_it_does_in_its_help(capsys):
+    for command in ("train", "check", "run", "env", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        usage, description = capsys.readouterr().out.split("\n\n")[:2]
+        assert usage.startswith(f"usage: multicard {command}") and description[0].isupper(), (command, description)
+
+
+def test_train_help_lists_the_flags_in_groups():
     result = run_cli("train", "--help")
     assert result.returncode == 0, result.stderr
     for flag in ("--batch-size", "--strategy", "--devices", "--out", "--epochs", "--data", "--data-dir", "--download",
                  "--lr", "--seed", "--quiet"):
         assert flag in result.stdout
     assert "dp-balanced" in result.stdout  # the strategy choices are shown
+    titles = re.findall(r"^(\w+):$", result.stdout, re.M)
+    assert titles == ["options", "data", "model", "optimization", "strategy", "checkpoints", "output"]
+    grouped = [name for names in FLAG_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in fields(TrainConfig))  # each flag in one group
+    strategy = result.stdout.split("\nstrategy:\n", 1)[1].split("\ncheckpoints:\n")[0]
+    assert "--devices" in strategy and "--lr" not in strategy
+
+
+def test_the_documented_way_to_load_a_model_runs_as_written(tmp_path):
+    """docs/outputs.md: `multicard.models.build(...)` after a bare `import multicard` (the subpackage loads on use:
+    `multicard --help` still imports no torch)."""
+    line = re.search(r"`(model = multicard\.models\.build.*?)`", Path(ROOT, "docs/outputs.md").read_text(), re.S)[1]
+    (tmp_path / "runs" / "train").mkdir(parents=True)
+    torch.save(LeNet5().state_dict(), tmp_path / "runs" / "train" / "model.pt")
+    code = f"import torch\nimport multicard\n{line.replace(chr(10), ' ')}\nprint(type(model).__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=HUNG_S)
+    assert result.returncode == 0 and result.stdout == "LeNet5\n", result.stderr
 
 
 def test_importing_the_cli_does_not_import_torch():
     code = ("import sys, multicard, multicard.cli; multicard.cli.parser(); multicard.TrainConfig; "
             "print('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
@@ -47,6 +80,9 @@ def test_env():
     assert result.returncode == 0, result.stderr
     assert f"torch {torch.__version__}" in result.stdout and "CUDA available" in result.stdout
     assert "gloo" in result.stdout and "launcher" in result.stdout
+    # the CPU model and the threads: what moves a result's last digits (OMP_NUM_THREADS=1 here: 1 everywhere)
+    assert f"CPU: {cpu_name()}; torch threads: 1 in one process, 1 in each of 2 (cpu:2); OMP_NUM_THREADS=1 here" \
+        in result.stdout.splitlines()
 
 
 def test_train_end_to_end(tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import HUNG_S, ROOT, where_measured
+from test_seams import SEAMS
 
 DOCS = [Path(ROOT, "README.md"), *sorted(Path(ROOT, "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
@@ -33,7 +34,7 @@ SKIP = [
 ]
 # needs CUDA cards (or a data folder) that this machine does not have: one line naming what is missing
 FAILS = [
-    (r"--devices (0,1|2|4)\b", "this machine has no CUDA card"),
+    (r"--devices (0,1|0,0|2|4)\b", "this machine has no CUDA card"),
     (r"--data-dir ~/mnist", "mnist"),
 ]
 
@@ -141,14 +142,14 @@ def readme_own_loop() -> str:
     return next(text for where, text in PYTHON if where.startswith("README") and "multicard.Multicard()" in text)
 
 
-def shell(command: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+def shell(command: str, cwd: Path, env: dict, timeout: float = HUNG_S) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 @pytest.mark.parametrize("where, command", [(w, c) for w, c in SHELL if verdict(c)[0] == "fails"])
 def test_what_needs_cards_or_data_fails_in_one_line(where, command, tmp_path):
-    result = shell(command, tmp_path, workdir(tmp_path), timeout=120)
+    result = shell(command, tmp_path, workdir(tmp_path), timeout=HUNG_S)
     assert result.returncode != 0, f"{where}: {command} ran here"
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert verdict(command)[1] in result.stderr, result.stderr
@@ -169,7 +170,7 @@ def test_each_block_of_commands_runs_in_order(where, tmp_path):
 def test_the_readmes_own_loop_runs_as_a_script(tmp_path):
     (tmp_path / "script.py").write_text(readme_own_loop())
     result = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=workdir(tmp_path), capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=HUNG_S)
     assert result.returncode == 0, result.stderr
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", result.stdout)]
     assert len(accuracies) == 2 and accuracies[-1] > 50  # 10 classes: learning, not chance (80.1% here)
@@ -233,9 +234,11 @@ HARNESS = f"""import re, sys
 sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
 import multicard
 from test_docs import PYTHON, fragment_names
+from test_seams import fresh
 
 for where, text in PYTHON:
     if where in sys.argv[1:]:
+        fresh()  # each block is a script of its own: its first training forward is looked at too
         whole = re.search(r"^import ", text, re.M)
         names = {{"__name__": "__main__"}} if whole else fragment_names(multicard.Multicard())
         exec(compile(text, where, "exec"), names)
@@ -256,11 +259,20 @@ def test_each_block_that_uses_mc_runs_on_1_2_and_3_processes(nprocs, amp_origina
                    workdir(tmp_path))
     assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     assert result.stdout.count("ran ") == len(ON_N) * nprocs, result.stdout
+    assert not [line for line in SEAMS if line in result.stderr], result.stderr  # the docs' loops are correct
     assert len(amp_original) == 3 and amp_original[-1] < amp_original[0]  # learning
     if nprocs == 1:
         assert losses(result.stdout) == amp_original
     else:
         assert losses(result.stdout) == pytest.approx(amp_original, abs=1e-3), result.stdout
+    if where_measured():  # the figures your-loop.md gives, with 1 thread per process (workdir's OMP_NUM_THREADS)
+        assert f"{losses(result.stdout)[-1]:.4f}" == amp_figures()[nprocs - 1], result.stdout
+
+
+def amp_figures() -> list[str]:
+    """your-loop.md's last losses of the AMP port on 1, 2 and 3 processes."""
+    text = Path(ROOT, "docs", "your-loop.md").read_text()
+    return list(re.search(r"\(([\d.]+), ([\d.]+), ([\d.]+) after 3 epochs with 1 thread per process", text).groups())
 
 
 @pytest.mark.slow
@@ -268,7 +280,7 @@ def test_each_block_that_uses_mc_runs_on_1_2_and_3_processes(nprocs, amp_origina
 def test_each_whole_python_block_runs_as_a_script(where, tmp_path):
     (tmp_path / "block.py").write_text(dict(PYTHON)[where])
     result = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=workdir(tmp_path), capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=HUNG_S)
     assert result.returncode == 0, f"{where}\n{result.stderr[-3000:]}"
 
 

@@ -8,14 +8,15 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import HUNG_S, ROOT, where_measured
+from test_figures import example
 
 EXAMPLES = f"{ROOT}/examples"
 BIN = sys.executable.rsplit("/", 1)[0]
 
 
 def run(*command: str, cwd) -> subprocess.CompletedProcess:
-    out = subprocess.run(list(command), capture_output=True, text=True, timeout=240, cwd=cwd)
+    out = subprocess.run(list(command), capture_output=True, text=True, timeout=HUNG_S, cwd=cwd)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
@@ -42,10 +43,15 @@ def test_your_loop_differs_from_the_one_card_script_by_at_most_10_lines():
 
 @pytest.mark.slow
 def test_your_loop_on_two_processes_learns_and_counts_every_test_digit_once(tmp_path, monkeypatch):
+    """And gives the README's digits where they were measured (tests/test_figures.py)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher's own choice: cores // 2 each
     out = run(f"{BIN}/multicard", "run", "--devices", "cpu:2", f"{EXAMPLES}/mnist_your_loop.py", "--epochs", "1",
               "--save-model", cwd=tmp_path)
     tests = re.findall(r"Accuracy: (\d+)/(\d+)", out.stdout)
     assert len(tests) == 1 and tests[0][1] == "1000"  # printed by rank 0 alone, over the whole test set
+    threads = int(re.search(r"(\d+) threads? each", out.stderr)[1])  # run's start line
+    if where_measured() and (2, threads) in example():
+        assert int(tests[0][0]) == example()[2, threads]
     assert int(tests[0][0]) >= 850
     assert out.stdout.count("Train Epoch: 1 [0/4000 (0%)]") == 1
     monkeypatch.syspath_prepend(EXAMPLES)

@@ -4,6 +4,7 @@ kills whatever is left of that group when it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
 from multicard.jobs import dist, launcher, outcome, slots
 from multicard.jobs.dist import Job
@@ -47,7 +48,7 @@ class Run:
             env=clean_env(TMPDIR=str(out.parent)),  # what a killed launcher cannot clean up stays in the test's folder
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
             preexec_fn=lambda: dispositions(ignore_sigint))
-        self.pid, self.lines, self.err = self.process.pid, queue.Queue(), []
+        self.pid, self.lines, self.err, self.ranks = self.process.pid, queue.Queue(), [], []
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
         threading.Thread(target=lambda: self.err.extend(self.process.stderr), daemon=True).start()
 
@@ -57,12 +58,18 @@ class Run:
         while True:
             line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             if "training" in line:
+                self.ranks = self.workers()
                 return
 
     def workers(self) -> list[int]:
         """The launcher's spawned processes, in the order they started (ranks 0, 1, ...)."""
         return [pid for _, pid in sorted((int(stat(pid)[19]), pid) for pid in processes()
                                          if stat(pid)[1] == str(self.pid) and "spawn_main" in cmdline(pid))]
+
+    def job(self) -> list[int]:
+        """What is left of the job: the launcher's process group (it, the resource tracker) and each rank's (it, its
+        DataLoader workers; a rank leads a session of its own), the ranks as they were once training."""
+        return [pid for leader in (self.pid, *self.ranks) for pid in group(leader)]
 
     def end(self, within: float) -> tuple[int, str]:
         code = self.process.wait(within)
@@ -134,13 +141,68 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
     run.training()
     workers = run.workers()
     assert len(workers) == 2
+    assert [os.getsid(pid) for pid in workers] == workers  # each leads a session of its own: see the next test
     os.kill(run.pid, getattr(signal, name))
     code, err = run.end(30)
     assert code == 128 + getattr(signal, name)
     assert err.rstrip().splitlines()[-1] == f"multicard: stopped by {name}; every rank was stopped"
     assert "leaked semaphore" not in err  # the ranks were stopped cleanly, not killed
-    assert running(workers) == [] and gone(lambda: group(run.pid), 5)
+    assert running(workers) == [] and gone(run.job, 5)
     assert not (tmp_path / "out" / "model.pt").exists()
+
+
+SESSIONS = """
+import os, time
+import multicard
+
+mc = multicard.Multicard()
+print(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}", flush=True)
+try:
+    while True:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    print(f"rank {mc.rank}: KeyboardInterrupt", flush=True)
+"""
+
+
+def test_run_ranks_lead_sessions_of_their_own_and_hear_ctrl_z_and_ctrl_c_through_the_launcher(tmp_path):
+    """Each rank leads a session of its own, as torchrun's do: Linux shares a busy machine's cores between sessions
+    first (autogroup), and ranks in the user's shell session shared one part of it (the same job waited for cores
+    torchrun's got). Out of the terminal's reach, they hear of Ctrl-Z and Ctrl-C (SIGTSTP, SIGINT to the terminal's
+    foreground group: the launcher) through it: they pause with it, go on after `fg` (SIGCONT), and the script sees
+    its KeyboardInterrupt as it would alone."""
+    (tmp_path / "job.py").write_text(SESSIONS)
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "job.py"], cwd=tmp_path,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in job.stdout], daemon=True).start()
+    ranks = []
+    try:
+        assert sorted(lines.get(timeout=HUNG_S) for _ in range(2)) == [
+            f"rank {r} leads a session of its own: True" for r in (0, 1)]
+        ranks = [pid for pid in processes() if stat(pid)[1] == str(job.pid)]
+        assert len(ranks) == 2
+        os.killpg(job.pid, signal.SIGTSTP)
+        assert settles(lambda: [stat(pid)[0] for pid in (job.pid, *ranks)] == ["T"] * 3)
+        os.killpg(job.pid, signal.SIGCONT)
+        assert settles(lambda: all(stat(pid)[0] not in ("T", "t") for pid in (job.pid, *ranks)))
+        os.killpg(job.pid, signal.SIGINT)
+        assert job.wait(60) == 130
+        assert sorted(lines.get(timeout=30) for _ in range(2)) == [f"rank {r}: KeyboardInterrupt" for r in (0, 1)]
+        assert job.stderr.read().splitlines()[-1] == "multicard: stopped by SIGINT; every rank was stopped"
+    finally:
+        for pid in (job.pid, *ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def settles(check, within: float = 30) -> bool:
+    """Whether check() holds within `within` seconds."""
+    deadline = time.monotonic() + within
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()
 
 
 @pytest.mark.parametrize("when", ["start-up", pytest.param("training", marks=pytest.mark.slow)])
@@ -167,7 +229,7 @@ def test_sigint_to_one_worker_fails_the_job_naming_it(tmp_path, runs):
     assert code == 1
     assert "multicard: rank 1 was interrupted (SIGINT); every rank was stopped" in err
     assert "leaked semaphore" not in err
-    assert gone(lambda: group(run.pid), 5)
+    assert gone(run.job, 5)
 
 
 @pytest.mark.slow
@@ -175,14 +237,12 @@ def test_a_frozen_rank_is_named_within_the_timeout(tmp_path, runs):
     run = runs(tmp_path / "out", "--timeout", "5")
     run.training()
     os.kill(run.workers()[1], signal.SIGSTOP)
-    start = time.monotonic()
-    code, err = run.end(5 + 15)
-    assert time.monotonic() - start < 5 + 15
+    code, err = run.end(5 + 120)  # the timeout, then the stop (grace 5 s); no hang, however busy the machine
     assert code != 0
     assert ("multicard: rank 1 stopped making progress (it was stopped by a signal; rank 0 timed out waiting for it "
             "after 5 s); every rank was stopped") in err
     assert "leaked semaphore" not in err
-    assert gone(lambda: group(run.pid), 10)
+    assert gone(run.job, 10)
 
 
 @pytest.mark.slow
@@ -196,7 +256,7 @@ def test_multicard_run_names_a_frozen_rank(tmp_path):
                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
-        err = out.communicate(timeout=60)[1]
+        err = out.communicate(timeout=HUNG_S)[1]
         assert out.returncode != 0
         assert err.rstrip().splitlines()[-1] == ("multicard: rank 1 stopped making progress (it was stopped by a "
                                                  "signal; rank 0 timed out waiting for it after 3 s); every rank was "
@@ -215,8 +275,8 @@ def test_a_stale_environment_names_the_missing_rank(tmp_path):
     out = subprocess.run([sys.executable, "-m", "multicard", "train", "--data", "synthetic", "--synthetic-samples",
                           "64", "--epochs", "1", "--quiet", "--timeout", "3", "--out", str(tmp_path)], cwd=ROOT,
                          env=clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and time.monotonic() - start < 30
+                         capture_output=True, text=True, timeout=HUNG_S)
+    assert out.returncode == 2 and time.monotonic() - start < 100  # --timeout 3, not the default 120 s
     assert out.stderr.splitlines() == [
         f"multicard: error: rendezvous at 127.0.0.1:{port}: 1 of 2 processes joined within 3 s; missing rank 1 "
         f"(RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT came from the environment (torchrun, SLURM or your shell): a "
@@ -227,8 +287,8 @@ def test_a_stale_environment_names_the_missing_rank(tmp_path):
                                         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment is not a")])
 def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
     start = time.monotonic()
-    out = run_cli("train", "--out", str(tmp_path), env=clean_env(**env), timeout=60)
-    assert out.returncode == 2 and time.monotonic() - start < 30
+    out = run_cli("train", "--out", str(tmp_path), env=clean_env(**env), timeout=HUNG_S)
+    assert out.returncode == 2 and time.monotonic() - start < 100  # refused before any wait (the timeout: 120 s)
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("multicard: error: ") and words in lines[0]
 
@@ -257,10 +317,14 @@ def test_progress_reaches_the_launcher(slot):
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
     monkeypatch.delenv(slots.PROGRESS, raising=False)
     monkeypatch.setattr(slots, "_slot", None)
-    start = time.perf_counter()
-    for _ in range(100_000):
-        slots.progress()
-    assert time.perf_counter() - start < 1  # about 0.2 us a call
+    def timed(call) -> float:
+        start = time.perf_counter()
+        for _ in range(100_000):
+            call()
+        return time.perf_counter() - start
+
+    # about 0.2 us a call, a few times a call that does nothing (the reference, timed alike: a busy machine slows both)
+    assert timed(slots.progress) < 20 * timed(lambda: None) + 0.05
 
 
 def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path):
@@ -322,15 +386,15 @@ def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
     starting (importing torch: seconds on 2 busy cores) ends once it has."""
     run = runs(tmp_path / "out", "--workers", "2", ignore_sigint=True)
     run.training()
-    deadline = time.monotonic() + 30
-    while len(group(run.pid)) < 1 + 2 + 2 * 2 and time.monotonic() < deadline:  # launcher, ranks, their workers
+    deadline = time.monotonic() + 60
+    while len(run.job()) < 1 + 2 + 2 * 2 and time.monotonic() < deadline:  # launcher, ranks, their workers
         time.sleep(0.05)
-    assert len(group(run.pid)) >= 1 + 2 + 2 * 2
-    os.kill(run.pid if victim == "launcher" else run.workers()[1], signal.SIGKILL)
+    assert len(run.job()) >= 1 + 2 + 2 * 2
+    os.kill(run.pid if victim == "launcher" else run.ranks[1], signal.SIGKILL)
     if victim == "rank":
-        code, err = run.end(30)
+        code, err = run.end(60)
         assert code != 0 and "rank 1 ended with signal SIGKILL" in err
-    assert gone(lambda: group(run.pid), 30)
+    assert gone(run.job, 30)
 
 
 def test_a_rank_whose_launcher_died_while_it_imported_ends_once_it_watches():
@@ -343,7 +407,7 @@ def test_a_rank_whose_launcher_died_while_it_imported_ends_once_it_watches():
     launcher = ("import os, subprocess, sys\n"
                 "rank = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdout=subprocess.PIPE, text=True)\n"
                 "rank.stdout.readline()\nos._exit(0)\n")  # gone once the rank has imported multicard
-    done = subprocess.run([sys.executable, "-c", launcher, rank], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-c", launcher, rank], capture_output=True, text=True, timeout=HUNG_S,
                           cwd=ROOT, env=clean_env())
     assert re.fullmatch(r"multicard: rank 1: its launcher \(pid \d+\) is gone; this rank ends\n", done.stderr)
 
@@ -390,12 +454,13 @@ def test_a_frozen_rank_is_restarted_under_max_restarts(tmp_path, runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
 def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
-    """As a closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the launcher, its ranks and the resource tracker
-    at once: the tracker lives on (else each rank's cleanup starts a new one: a traceback per rank)."""
+    """As a closed terminal (SIGHUP) or Ctrl-C (SIGINT) signals the launcher and the resource tracker at once (the
+    ranks lead sessions of their own: the launcher passes it on): the tracker lives on (else each rank's cleanup
+    starts a new one: a traceback per rank)."""
     run = runs(tmp_path / "out")
     run.training()
     os.killpg(run.pid, getattr(signal, name))
     code, err = run.end(30)
     assert code == 128 + getattr(signal, name)
     assert err.strip().splitlines() == [f"multicard: stopped by {name}; every rank was stopped"]
-    assert gone(lambda: group(run.pid), 5)
+    assert gone(run.job, 5)

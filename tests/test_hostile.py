@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import HUNG_S, ROOT, run_cli
 from multicard import models
 from multicard.data import idx
 from multicard.errors import UsageError
@@ -80,7 +80,7 @@ def test_multicard_train_inside_a_script_under_multicard_run_runs_on_its_own(tmp
         "    subprocess.run([sys.executable, '-m', 'multicard', 'train', '--data', 'synthetic', '--synthetic-samples',"
         " '64', '--epochs', '1', '--quiet', '--timeout', '5', '--out', sys.argv[1]], check=True, timeout=60)\n"
         "mc.barrier()\n")
-    out = run_cli("run", "--devices", "cpu:2", str(script), str(tmp_path / "out"), env=clean_env(), timeout=120)
+    out = run_cli("run", "--devices", "cpu:2", str(script), str(tmp_path / "out"), env=clean_env(), timeout=HUNG_S)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "model.pt").is_file()
 
@@ -109,6 +109,9 @@ class Frozen:
         time.sleep(min(timeout, 0.05))
 
     def terminate(self):
+        pass
+
+    def send_signal(self, signum):
         pass
 
     kill = terminate
@@ -314,7 +317,7 @@ SCRIPT = "import sys\nimport multicard\nmc = multicard.Multicard(timeout=20)\n"
 def multicard_run(tmp_path, body: str) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT + body)
-    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=120)
+    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=HUNG_S)
 
 
 @pytest.mark.slow
@@ -324,14 +327,16 @@ def test_under_multicard_run_the_rank_that_failed_is_named_with_its_code(tmp_pat
     lines = out.stderr.splitlines()
     assert lines[-1] == "multicard: rank 1 failed with exit code 3 (its output is above); the other ranks were stopped"
     assert "Traceback" not in out.stderr  # rank 0's lost connection is one line, not gloo's traceback
-    assert lines[:-1] in ([], ["[rank0]: multicard: rank 0 lost another rank (Connection closed by peer)"])
+    assert lines[0].startswith("multicard: running ")  # the job's start line
+    assert lines[1:-1] in ([], ["[rank0]: multicard: rank 0 lost another rank (Connection closed by peer)"])
 
 
 def test_under_multicard_run_a_bad_input_is_said_once(tmp_path):
     out = multicard_run(tmp_path, "mc.local_batch(7)\n")
     assert out.returncode == 2
-    assert out.stderr.splitlines() == ["multicard: error: batch size 7 does not split over 2 processes; use a "
-                                       "multiple of 2 (e.g. 6 or 8)"]
+    started, *said = out.stderr.splitlines()  # the job's start line, then the bad input once (not once per rank)
+    assert started.startswith("multicard: running ") and said == [
+        "multicard: error: batch size 7 does not split over 2 processes; use a multiple of 2 (e.g. 6 or 8)"]
 
 
 def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
@@ -367,7 +372,7 @@ def test_ctrl_c_while_the_command_line_is_read_is_one_line():
     code = ("from multicard import cli\n"
             "def parser():\n    raise KeyboardInterrupt\n"
             "cli.parser = parser\ncli.entry()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     assert (out.returncode, out.stderr) == (130, "multicard: interrupted\n")
 
@@ -410,7 +415,7 @@ def test_a_rank_that_raises_is_the_only_traceback_shown(tmp_path):
         "        return self.f(x)\n")
     out = run_cli("train", "--model", f"{tmp_path / 'boom.py'}:Net", "--devices", "cpu:2", "--data", "synthetic",
                   "--synthetic-samples", "2048", "--epochs", "1", "--quiet", "--out", str(tmp_path / "out"),
-                  env=clean_env(), timeout=120)
+                  env=clean_env(), timeout=HUNG_S)
     assert out.returncode == 1
     assert out.stderr.startswith("multicard: rank 1 failed; its traceback:\nTraceback")
     assert out.stderr.count("Traceback") == 1 and out.stderr.rstrip().endswith("ValueError: boom on rank 1")

@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import HUNG_S, ROOT, run_cli
 from multicard.data import headroom, idx
 from multicard.errors import UsageError
 from multicard.jobs import dist, launcher
@@ -74,7 +74,7 @@ def test_a_gz_bomb_under_ulimit_v_is_one_line(tmp_path):
             print(e)
     """)
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "images.gz")], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=HUNG_S, cwd=ROOT)
     assert re.fullmatch(r".*images.gz: its header \(1000000, 28, 28\) needs 3.65 GiB of memory once read, more than "
                         r"the [12]\.\d\d GiB available\n", done.stdout), done.stdout + done.stderr
 
@@ -85,7 +85,7 @@ def run_job(tmp_path, body: str, timeout_s: float = 10) -> subprocess.CompletedP
     script = tmp_path / "job.py"
     script.write_text("import sys, time\nimport torch\nimport multicard\n"
                       f"mc = multicard.Multicard(timeout={timeout_s})\n" + textwrap.dedent(body))
-    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=90)
+    return run_cli("run", "--devices", "cpu:2", str(script), env=clean_env(), timeout=HUNG_S)
 
 
 def test_a_rank_that_leaves_inside_rank_zero_first_is_the_one_named(tmp_path):
@@ -139,7 +139,7 @@ JOIN = """
 import sys
 import multicard
 from multicard.errors import UsageError
-mc = multicard.Multicard(timeout=10)
+mc = multicard.Multicard(timeout=300)  # far above any start-up on a busy machine: "at once" is told from it
 try:
     mc.barrier()
 except UsageError as e:
@@ -161,7 +161,7 @@ def rank(tmp_path, port: int, rank: int, world: int, **env: str) -> subprocess.P
 def test_ranks_told_different_world_sizes_are_one_line_each(tmp_path):
     port = launcher.free_port()
     zero, one = rank(tmp_path, port, 0, 2), rank(tmp_path, port, 1, 3)
-    said = [p.communicate(timeout=60) for p in (zero, one)]
+    said = [p.communicate(timeout=HUNG_S) for p in (zero, one)]
     assert [p.returncode for p in (zero, one)] == [2, 2], said
     where = f"rendezvous at 127.0.0.1:{port}: "
     assert said[0] == (f"{where}rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2: every process of a job must be "
@@ -176,7 +176,7 @@ def test_a_stale_rank_pointed_at_a_live_jobs_store_is_refused_at_once(tmp_path):
     (tmp_path / "live.py").write_text(textwrap.dedent(f"""
         import os, pathlib, time
         import multicard
-        mc = multicard.Multicard(timeout=60)
+        mc = multicard.Multicard(timeout=300)
         mc.barrier()
         if mc.rank == 0:
             pathlib.Path({str(tmp_path / "port")!r}).write_text(os.environ["MASTER_PORT"])
@@ -193,14 +193,14 @@ def test_a_stale_rank_pointed_at_a_live_jobs_store_is_refused_at_once(tmp_path):
             time.sleep(0.1)
         stale = rank(tmp_path, int(port), 1, 2)
         start = time.monotonic()
-        out, err = stale.communicate(timeout=60)
-        assert time.monotonic() - start < 10  # the timeout is 10 s: refused before it, not after
+        out, err = stale.communicate(timeout=HUNG_S)
+        assert time.monotonic() - start < 150  # half the timeout (300 s): refused at once, not after it
         assert (stale.returncode, err) == (2, "") and re.fullmatch(
             rf"rendezvous at 127.0.0.1:{port}: rank 1 of this job has joined already \(pid \d+ on .+\): this "
             r"process is a second rank 1; RANK/WORLD_SIZE.*\n", out), out
     finally:
         go.touch()
-        live_out = live.communicate(timeout=60)
+        live_out = live.communicate(timeout=HUNG_S)
     assert live.returncode == 0, live_out
 
 
@@ -211,19 +211,22 @@ def test_a_master_addr_where_no_store_answers_shows_none_of_torchs_cpp_log():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code = textwrap.dedent("""
+        import sys, time
+        import torch.distributed
         from multicard.errors import UsageError
         from multicard.jobs import dist
+        start = time.monotonic()  # torch imported: its seconds on a busy machine are not the rendezvous's
         try:
             dist.rendezvous(dist.Job(1, 2, launcher="torchrun"), 2)
         except UsageError as e:
             print(e)
+        print(time.monotonic() - start, file=sys.stderr)
     """)
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT,
                           env=clean_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
     assert done.stdout.startswith(f"rendezvous at 127.0.0.1:{port}: rank 1 of 2 found no rank 0 there within 2 s")
-    assert done.stdout.count("\n") == 1 and done.stderr == ""
-    assert time.monotonic() - start < 2 + 5  # the timeout, and the start of a Python that imports torch
+    assert done.stdout.count("\n") == 1 and float(done.stderr) < 2 * 2  # the timeout, not torch's twice over it
+    # (timed inside the process: its start, importing torch, takes 10 s and more on a busy machine)
 
 
 # -- what a rank starts itself ---------------------------------------------------------------------------------
@@ -233,7 +236,7 @@ def test_a_launcher_killed_outright_takes_its_ranks_and_the_helpers_tied_as_the_
     (tmp_path / "helpers.py").write_text(textwrap.dedent(f"""
         import ctypes, os, signal, subprocess
         import multicard
-        mc = multicard.Multicard(timeout=60)
+        mc = multicard.Multicard(timeout=300)
         tied = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
         loose = subprocess.Popen(["sleep", "60"])
         with open({str(tmp_path)!r} + f"/pids-{{mc.rank}}", "w") as f:

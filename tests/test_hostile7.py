@@ -3,7 +3,7 @@ folder above it another user's, and the trust setting that lifts the refusal), d
 truly, the front object pickled, a job that never hangs (train at a script's top level, SIGTERM to any job), a
 closed stdout (`| head`). The other user is played in this process at a hook (a forward that renames --out), or by
 what os.stat says; each job of a script runs in a session of its own with a time limit, so a regression fails
-instead of hanging the suite, and whatever is left of its group is killed."""
+instead of hanging the suite, and whatever it left running is killed."""
 
 from __future__ import annotations
 
@@ -26,27 +26,37 @@ from conftest import ROOT, run_cli, tiny_images
 from multicard.errors import UsageError
 from multicard.trainer import resume
 from test_damaged import flip
-from test_faults import clean_env, gone, group
+from test_faults import clean_env, gone, running
 from test_hostile3 import tree
 
-_sessions: list[int] = []  # the process groups the running test started
+
+def left(tmp_path: Path) -> list[int]:
+    """The processes a test's job left running: each is started with TMPDIR at the test's own folder (ranks lead
+    sessions of their own, so the launcher's process group does not hold them)."""
+    mark, found = f"TMPDIR={tmp_path}".encode(), []
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return running(found)
 
 
 @pytest.fixture(autouse=True)
-def nothing_left():
-    """Whatever a test started is gone once it ends, passed or failed: its whole session is killed."""
+def nothing_left(tmp_path):
+    """Whatever a test started is gone once it ends, passed or failed."""
     yield
-    while _sessions:
+    for pid in left(tmp_path):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(_sessions.pop(), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
 
 
 def session(command: list[str], tmp_path: Path, cwd: Path | str) -> subprocess.Popen:
-    """`command` in a session (a process group) of its own, its output read here as text."""
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=clean_env(TMPDIR=str(tmp_path)), start_new_session=True)
-    _sessions.append(process.pid)
-    return process
+    """`command` in a session of its own, with TMPDIR at the test's folder, its output read here as text."""
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(TMPDIR=str(tmp_path)), start_new_session=True)
 
 
 def started(tmp_path: Path, body: str, *args: str) -> subprocess.Popen:
@@ -315,7 +325,7 @@ def test_train_at_the_top_level_of_a_script_is_one_line_saying_what_to_add_not_a
         "UsageError: job.py calls multicard.launch (or train) at its top level, which every process it starts runs "
         "again: put that call under `if __name__ == \"__main__\":`"], err
     assert list((tmp_path / "out").iterdir()) == []
-    assert gone(lambda: group(job.pid), 10)
+    assert gone(lambda: left(tmp_path), 10)
 
 
 LIBRARY_JOB = """
@@ -361,7 +371,7 @@ def sigterm_ends_the_library_job(tmp_path: Path, how: str, processes: int) -> No
     assert err.splitlines()[-1] == "multicard: stopped by SIGTERM; every rank was stopped", err
     assert "Traceback" not in err
     assert time.monotonic() - before < 30  # the ranks get 5 s after SIGTERM, then SIGKILL
-    assert gone(lambda: group(job.pid), 10)
+    assert gone(lambda: left(tmp_path), 10)
     if how == "train":
         assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == \
             ["checkpoints", "notes.txt"]
@@ -394,13 +404,13 @@ def head_of_multicard_run(tmp_path: Path, processes: int) -> None:
     """`multicard run script.py | head -2`: the reader goes after two lines; the job ends as `yes | head -2`
     does (by SIGPIPE, a shell shows 141), without a word on stderr, no rank left."""
     (tmp_path / "job.py").write_text(textwrap.dedent(TALKS))
-    job = session([sys.executable, "-m", "multicard", "run", "--devices", f"cpu:{processes}", str(tmp_path / "job.py")],
-                  tmp_path, ROOT)
+    job = session([sys.executable, "-m", "multicard", "run", "--quiet", "--devices", f"cpu:{processes}",
+                   str(tmp_path / "job.py")], tmp_path, ROOT)
     assert [job.stdout.readline() for _ in range(2)] == ["line 0\n", "line 1\n"]
     job.stdout.close()  # what head does once it has its lines
     code, _, err = ended(job, 60)
     assert code == -signal.SIGPIPE and err == ""
-    assert gone(lambda: group(job.pid), 10)
+    assert gone(lambda: left(tmp_path), 10)
 
 
 def test_multicard_run_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
@@ -420,5 +430,5 @@ def test_multicard_train_into_a_closed_pipe_ends_quietly_by_sigpipe_and_shows_no
     job.stdout.close()
     code, _, err = ended(job, 120)
     assert code == -signal.SIGPIPE and err == ""
-    assert gone(lambda: group(job.pid), 10)
+    assert gone(lambda: left(tmp_path), 10)
     assert list((tmp_path / "out").iterdir()) == []

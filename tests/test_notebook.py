@@ -17,7 +17,7 @@ from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-from conftest import ROOT, cuda
+from conftest import HUNG_S, ROOT, cuda
 
 
 def kernel_manager(folder) -> KernelManager:
@@ -80,7 +80,7 @@ def test_the_example_notebook_runs_and_two_processes_match_one(tmp_path):
     nb = nbformat.read(os.path.join(ROOT, "examples", "notebook.ipynb"), as_version=4)
     nb.cells.append(new_code_cell("import json; print(json.dumps({'gap': gap, 'one': one['correct'], "
                                   "'two': two['correct']}))"))
-    NotebookClient(nb, km=kernel_manager(tmp_path), timeout=120,
+    NotebookClient(nb, km=kernel_manager(tmp_path), timeout=HUNG_S,
                    resources={"metadata": {"path": os.path.join(ROOT, "examples")}}).execute()
     launched = next(c for c in nb.cells if c.cell_type == "code" and 'devices="cpu:2"' in c.source)
     assert "2 process(es): test loss" in text(launched)  # what rank 0 printed shows in the cell
@@ -167,7 +167,7 @@ def test_an_interrupt_stops_every_rank_and_leaves_no_process(kernel, tmp_path):
     while (reply := client.kc.get_shell_msg(timeout=30))["parent_header"].get("msg_id") != msg_id:
         pass
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "Stopped"
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 100  # the stop's grace (3 s) and SIGKILL's 5 s, not the ranks' 300 s sleep
     assert not any(alive(pid) for pid in pids)
     assert result(kernel.run("6 * 7")) == "42"  # the kernel still answers
 
@@ -250,7 +250,7 @@ print(type(out).__name__, type(out) is Doubled, int(out.value))
 def test_python_dash_and_dash_c_launch(how, tmp_path):
     command = [sys.executable, "-"] if how == "-" else [sys.executable, "-c", SCRIPT]
     done = subprocess.run(command, input=SCRIPT if how == "-" else None, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          timeout=HUNG_S, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert sorted(lines[:2]) == ["rank 0 of 2", "rank 1 of 2"] and lines[2] == "Doubled True 42"
@@ -277,7 +277,7 @@ print("total", multicard.launch(job, devices="cpu:2"))
 
 
 def test_a_dataset_class_from_main_reaches_the_ranks_dataloader_workers(tmp_path):
-    done = subprocess.run([sys.executable, "-"], input=WORKERS, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-"], input=WORKERS, capture_output=True, text=True, timeout=HUNG_S,
                           cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == f"total {float(sum(i * i for i in range(8)))}"

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, TensorDataset
 
 import multicard
-from conftest import ROOT
+from conftest import HUNG_S, ROOT
 from multicard.data.parts import part, samples
 
 
@@ -218,7 +218,7 @@ def test_each_example_is_its_one_card_original_on_one_process_and_takes_its_step
     for name, command in [("plain", [sys.executable, path, "--plain"]), ("one", [sys.executable, path]),
                           ("two", [sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", path])]:
         done = subprocess.run([*command, "--epochs", "1", "--save", str(tmp_path / f"{name}.pt")],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                              capture_output=True, text=True, timeout=HUNG_S, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert done.stdout.count("epoch 1: train loss") == 1  # rank 0 alone prints
     plain, one, two = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("plain", "one", "two"))

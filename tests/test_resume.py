@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import multicard
-from conftest import ROOT, shown, tiny_images
+from conftest import HUNG_S, ROOT, shown, tiny_images
 from multicard.errors import UsageError
 from multicard.jobs.failures import RankFailed
 from multicard.models import LeNet5
@@ -176,12 +176,12 @@ def test_torchrun_restarts_go_on_from_the_newest_checkpoint_with_resume_auto(tmp
     job = ["--data", "synthetic", "--synthetic-samples", "480", "--batch-size", "48", "--epochs", "3", "--quiet",
            "--save-every-steps", "4"]
     plain = subprocess.run([sys.executable, "-m", "multicard", "train", "--devices", "cpu:2", *job, "--out",
-                            str(tmp_path / "plain")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                            str(tmp_path / "plain")], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT)
     assert plain.returncode == 0, plain.stderr
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     run = subprocess.run([*torchrun, "-m", "multicard", "train", "--model", "dies.py:DiesOnce", *job, "--resume",
-                          "auto", "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          "auto", "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=HUNG_S,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "died").exists() and "resuming from" in run.stdout
@@ -257,7 +257,7 @@ def test_a_second_run_into_an_out_in_use_is_refused_at_once(tmp_path):
         start = time.monotonic()
         with pytest.raises(UsageError, match=r"--out .*: another run is writing there"):
             lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 60  # at once, not blocked on the lock this process holds
     lenet_run(tmp_path, strategy="single", devices="cpu", epochs=1)  # released: the next run goes ahead
     assert list(shown(tmp_path)) == ["curves.png", "metrics.jsonl", "model.pt", "summary.json"]
 

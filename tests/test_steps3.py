@@ -224,7 +224,7 @@ def said(ranks: list[dict], part) -> None:
 @pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp(f"steps3_{request.param}"))
-    return multicard.launch(steps3_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=60)
+    return multicard.launch(steps3_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=300)
 
 
 def test_every_process_gets_as_many_evaluation_batches_and_each_sample_once(ranks):
@@ -350,7 +350,7 @@ def fsdp_ema(mc: Multicard) -> tuple[str, torch.Tensor]:
 
 @pytest.mark.slow  # two fsdp processes: ~15 s on 2 loaded cores
 def test_an_ema_under_fsdp_is_set_up_with_the_model_and_a_copy_of_shards_is_one_line():
-    refused, out = multicard.launch(fsdp_ema, strategy="fsdp", devices="cpu:2", timeout=60)
+    refused, out = multicard.launch(fsdp_ema, strategy="fsdp", devices="cpu:2", timeout=300)
     assert refused.startswith("copy.deepcopy / AveragedModel of a model set up under fsdp: its parameters are this "
                               "process's shards")
     torch.testing.assert_close(out, one_process_ema()(torch.ones(2, 4)), rtol=1e-5, atol=1e-6)

@@ -87,6 +87,7 @@ def test_summary(run):
     assert isinstance(summary["peak_memory_mb"], list) and len(summary["peak_memory_mb"]) == 1
     assert summary["peak_memory_mb"][0] > 0 and summary["wall_s"] > 0 and summary["train_samples_per_s"] > 0
     assert summary["config"]["lr"] == 4e-3 and summary["model"] == "LeNet5"
+    assert summary["cpu_threads"] == [torch.get_num_threads()]  # the run was this process: its threads
     assert list(shown(out)) == ["curves.png", "metrics.jsonl", "model.pt", "summary.json"]
 
 

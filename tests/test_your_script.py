@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
+from conftest import HUNG_S
 from multicard.errors import UsageError
 from multicard.front.collectives import bounds
 from multicard.front.multicard import Multicard
@@ -288,7 +289,7 @@ def test_under_torchrun_with_the_scripts_own_process_group(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), folder=str(tmp_path)))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+                          str(script)], capture_output=True, text=True, timeout=HUNG_S, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["world"] == 2 and result["equal"] and result["nanogpt"] == 2 and result["second"] == 2

@@ -12,9 +12,12 @@ _HOME = {"Multicard": "front.multicard", "launch": "front.multicard", "train": "
          "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.plain",
          "load": "checkpoints.plain", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
 __all__ = sorted(_HOME)
+_PACKAGES = ("models", "data", "checkpoints", "strategies")  # multicard.models.build(...) as the docs write it
 
 
 def __getattr__(name: str):
+    if name in _PACKAGES:
+        return import_module(f".{name}", __name__)
     if name not in _HOME:
         raise AttributeError(f"module 'multicard' has no attribute {name!r}")
     return getattr(import_module(f".{_HOME[name]}", __name__), name)

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import UsageError
 from .jobs import closed
-from .trainer.config import REPLICA_CHECKS, STRATEGIES, TrainConfig
+from .trainer.config import FLAG_GROUPS, REPLICA_CHECKS, STRATEGIES, TrainConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,6 +58,16 @@ def plain(message: str) -> str:
 
 
 COMMANDS = "train, run, check, bench or env"
+CHECK = ("K SGD steps on one device vs N (default: every card, else cpu:2), gradients and weights compared, for ddp, "
+         "dp and dp-balanced as this machine can run them, or the one --strategy names (fsdp included)")
+EXAMPLES = """examples:
+  multicard train                              train LeNet-5 on the embedded mnist-5k, here
+  multicard train --devices cpu:2              the same in 2 processes (ddp over gloo)
+  multicard run --devices cpu:2 my_script.py   your own loop (a script using multicard.Multicard) in 2 processes
+  multicard check                              N processes learn what one learns
+  multicard env                                what this machine offers
+
+each command's flags: multicard COMMAND --help; the docs: README.md and docs/ (docs/cli.md: every command)"""
 NUMBERS = {"int": "a whole number", "float": "a number"}
 
 
@@ -78,8 +88,12 @@ def value(kind: type, auto: bool = False) -> Callable[[str], Any]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """A flag per TrainConfig field (or per field in `only`). A flag not given leaves no attribute behind
-    (argparse.SUPPRESS): given() tells the flags a user typed from the defaults, which --resume needs."""
+    """A flag per TrainConfig field (or per field in `only`; all of them: in FLAG_GROUPS' groups). A flag not given
+    leaves no attribute behind (argparse.SUPPRESS): given() tells the flags a user typed from the defaults, which
+    --resume needs."""
+    groups = [(parser.add_argument_group(*title.split(": ", 1)), names) for title, names in FLAG_GROUPS.items()
+              if only is None]
+    group = {name: g for g, names in groups for name in names}
     for f in fields(TrainConfig):
         if only is not None and f.name not in only:
             continue
@@ -89,13 +103,13 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
         if "(default:" not in help:  # a help that says its default in words keeps them
             help += f" (default: {'auto' if default is None else 'none' if default == '' else default})"
         kind = str(f.type).removesuffix(" | None")  # None: auto, settled for the job
+        add = group.get(f.name, parser).add_argument
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help)
+            add(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help)
         else:
             number = {"int": int, "float": float}.get(kind)
-            parser.add_argument(flag, type=value(number, default is None) if number else str,
-                                default=argparse.SUPPRESS, help=help, metavar=f.name.upper(),
-                                choices=f.metadata.get("choices"))
+            add(flag, type=value(number, default is None) if number else str, default=argparse.SUPPRESS, help=help,
+                metavar=f.name.upper(), choices=f.metadata.get("choices"))
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,38 +163,9 @@ CHECK_FLAGS = ("model", "data", "data_dir", "download", "synthetic_samples", "st
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if not args.script:
-        raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
-    if not args.module and not os.path.isfile(args.script):
-        raise UsageError(f"run: no such script {args.script}")
-    from . import strategies
-    from .front import determinism
-    from .jobs.devices import select
-    from .jobs.dist import job_from_env
-    from .jobs.launcher import job_choice, run_command
+    from .tools.script import run
 
-    job = job_from_env()
-    if job.launched:
-        raise UsageError(f"run: this shell is one process of a job already ({job.launcher} set RANK); start the "
-                         f"script directly, or unset RANK and WORLD_SIZE")
-    try:
-        strategy = strategies.create(args.strategy, select(args.devices), job)
-    except UsageError as e:
-        raise UsageError(f"run: {e}") from None
-    command = ["-m"] * args.module + [args.script, *args.args]
-    env = {**job_choice(strategy), **replicas_env(args),
-           **(determinism.environment() if args.deterministic else {})}
-    return run_command([sys.executable, *command], strategy.processes, env)
-
-
-def replicas_env(args: argparse.Namespace) -> dict[str, str]:
-    """run's --replica-check flags, for the script's Multicard (front/replicas.py reads them): only those given."""
-    from .front.replicas import EVERY_VAR, MODE_VAR
-
-    if args.replica_check_every is not None and args.replica_check_every < 1:
-        raise UsageError(f"--replica-check-every {args.replica_check_every}: must be at least 1")
-    given = ((MODE_VAR, args.replica_check), (EVERY_VAR, args.replica_check_every))
-    return {name: str(value) for name, value in given if value is not None}
+    return run(args, args.own_flags)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -188,9 +173,15 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     import torch
 
+    from .jobs.devices import cpu_threads, omp_threads
     from .jobs.dist import job_from_env
+    from .tools.bench_report import cpu_name
 
     print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
+    one = cpu_threads(1, torch.get_num_threads())  # OMP_NUM_THREADS, where set, read by torch (up to the cores)
+    pair = omp_threads(2, os.environ).get("OMP_NUM_THREADS", one)
+    print(f"CPU: {cpu_name()}; torch threads: {one} in one process, {pair} in each of 2 (cpu:2)"
+          + (f"; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} here" if os.environ.get("OMP_NUM_THREADS") else ""))
     print(f"CUDA available: {torch.cuda.is_available()}, cards: {torch.cuda.device_count()}")
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
@@ -205,15 +196,17 @@ def parser() -> argparse.ArgumentParser:
     from . import __version__
 
     p = Parser(prog="multicard", description="Train PyTorch models on one CPU, one card or many, with one loop: "
-               "--strategy single | ddp | dp | dp-balanced | fsdp.")
+               "--strategy single | ddp | dp | dp-balanced | fsdp.", epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"multicard {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)")
+    t = sub.add_parser("train", help="train a model (no flags: LeNet-5 on the embedded mnist-5k)",
+                       description="Train a model with multicard's own loop (no flags: LeNet-5 on the embedded "
+                       "mnist-5k, the default recipe); what it writes: docs/outputs.md.")
     add_config_flags(t)
     t.set_defaults(run=cmd_train)
-    c = sub.add_parser("check", help="parity: K SGD steps on one device vs N (default: every card, else cpu:2), "
-                       "gradients and weights compared, for ddp, dp and dp-balanced as this machine can run them, or "
-                       "the one --strategy names (fsdp included)")
+    c = sub.add_parser("check", help=f"parity: {CHECK}",
+                       description=f"Parity: {CHECK}; exit status 1 where they differ by more than --tolerance.")
     add_config_flags(c, CHECK_FLAGS)
     c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
     c.add_argument("--tolerance", type=float, default=1e-4,
@@ -224,8 +217,8 @@ def parser() -> argparse.ArgumentParser:
                        "torchrun; multicard.Multicard() inside picks the job up. The first failure stops all.")
     r.add_argument("--strategy", default="auto", choices=STRATEGIES,
                    help="auto (ddp on 2+ devices, else single), single, ddp, dp, dp-balanced or fsdp (default: auto)")
-    r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
-                   "(default: auto)")
+    r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; "
+                   "a card named twice (0,0) rehearses 2 cards on one, over gloo (default: auto)")
     r.add_argument("--replica-check", choices=REPLICA_CHECKS, help="where the processes' models part: stop "
                    "naming what differs, warn once, or off (default: the script's Multicard(replica_check=...), else "
                    "stop)")
@@ -233,16 +226,24 @@ def parser() -> argparse.ArgumentParser:
                    "checks (default: the script's, else 100)")
     r.add_argument("--deterministic", action="store_true", help="the script's Multicard() runs in deterministic "
                    "mode (the same result run after run on a card too), as Multicard(deterministic=True)")
+    r.add_argument("--quiet", action="store_true", help="no line as the job starts and none as it ends well (the "
+                   "script's own output is untouched)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
     r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
     r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    r.set_defaults(run=cmd_run)
-    e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher")
+    # a flag of run's own after the script goes to the script: said in a line where it leaves the job one process
+    r.set_defaults(run=cmd_run, own_flags={s: a.nargs != 0 for a in r._actions for s in a.option_strings
+                                           if s.startswith("--") and s != "--help"})
+    e = sub.add_parser("env", help="what this machine offers: torch, cards, backends, launcher",
+                       description="What this machine offers: python and torch, the CPU and the threads a process "
+                       "takes, cards, backends, and the launcher this shell is in.")
     e.set_defaults(run=cmd_env)
     from .tools import bench
 
     b = sub.add_parser("bench", help="the strategies side by side, against a plain DataLoader loop: table, "
-                       "bench.json, bench.md, bench.png")
+                       "bench.json, bench.md, bench.png", description="The strategies side by side on this machine's "
+                       "devices, against a plain DataLoader loop: speed, scaling and memory per process, in a table, "
+                       "bench.json, bench.md and bench.png.")
     bench.add_arguments(b)
     b.set_defaults(run=bench.run)
     return p

@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy, syncbn
-from . import closure, determinism, memory
+from . import alike, closure, determinism, memory, owners
 from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
@@ -42,7 +42,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
     single).
-    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
+    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; a card named twice (0,0) rehearses 2 cards
+    on one (one process each, over gloo).
     precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
     same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
     gradients overflowed, counted in mc.skipped_steps; mc.scaler goes into checkpoints).
@@ -58,8 +59,10 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
     replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
     compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
-    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). None: multicard run's
-    --replica-check / --replica-check-every, else the defaults.
+    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). The same mode governs the
+    seams: an optimizer step over parameters no set-up model holds (owners.py), and mc.local on batches the
+    processes drew apart, compared every K calls (alike.py). None: multicard run's --replica-check /
+    --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
@@ -164,6 +167,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
             launcher.relaunch(self._strategy)
         self._strategy.start(self.job)
         self._state = "started"
+        owners.opened(self._replicas)  # 2+ processes: optimizer steps are watched (owners.py)
         memory.reset(self._strategy.cards)
         if self.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -177,6 +181,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
                 logger.close()
         if self._state == "started":
             self._replicas.close()
+            owners.closed(self._replicas)
             self._strategy.stop()
         self._state = "closed"
 
@@ -205,7 +210,9 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         forward = self._strategy.wrap_model(model)
         prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
                             reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
-        self._replicas.set_up(model, name, list(prepared.parameters()))
+        parameters = list(prepared.parameters())
+        owners.held(parameters)
+        self._replicas.set_up(model, name, parameters)
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -216,6 +223,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         for optimizer in optimizers:
             closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
             self._replicas.watch(optimizer)
+            owners.set_up(optimizer)  # its parameters outside the set-up models: gradients averaged
         self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
@@ -251,6 +259,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        if train:
+            alike.dealt()
         agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,

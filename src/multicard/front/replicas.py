@@ -29,6 +29,7 @@ from ..errors import UsageError
 from ..jobs.slots import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, shape
+from .owners import outside
 
 MODES = ("stop", "warn", "off")
 EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
@@ -173,7 +174,7 @@ class ReplicaCheck:
                             optimizers=self.optimizers, first=first)
 
     def compare(self, when: str, models: list, params: bool, optimizers: list, first: bool = True) -> bool:
-        found = entries(models, params, optimizers)
+        found = entries(models, params, optimizers) + outside(optimizers)  # and their parameters outside the models
         with torch.no_grad(), watched():
             line = self._unlike(when, found) if first else None
             if line is None:

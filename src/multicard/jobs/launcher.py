@@ -9,6 +9,12 @@ No process outlives its launcher, and none fails silently: when one fails, the o
 a rank is named (where one timed out waiting, the rank it waited for: stopped by a signal, or the one whose
 progress is oldest); SIGINT, SIGTERM or SIGHUP to the launcher stops them all; and a launcher that dies by any
 means (SIGKILL included) takes them along, through the kernel.
+
+Each rank runs in a session of its own, as torchrun's ranks do. Linux shares the cores between sessions first
+(autogroup scheduling, on by default), so ranks left in the user's shell session share one session's part of a
+busy machine with everything else that shell started, where torchrun's get one part each: the same job waited
+for cores, with the same CPU time (benchmarks/busy_launch.py). Out of the terminal's reach, a rank hears of Ctrl-C
+and Ctrl-Z from this process (Signals), which passes them on.
 """
 
 from __future__ import annotations
@@ -60,18 +66,21 @@ def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 
 
 class Signals:
     """While entered (in the main thread: only it may set handlers), SIGINT, SIGTERM and SIGHUP raise Stopped;
-    while `held`, the first one waits for release. A signal this process was started to ignore (SIGHUP under
-    nohup, SIGINT for a shell's `cmd &`) stays ignored: that is what the user asked for."""
+    while `held`, the first one waits for release; SIGTSTP (Ctrl-Z) pauses the ranks (`ranks`: their pids) with this
+    process, and they go on with it. A signal this process was started to ignore (SIGHUP under nohup, SIGINT for a
+    shell's `cmd &`) stays ignored: that is what the user asked for."""
 
     def __init__(self):
         self.previous: dict[int, Any] = {}
         self.held, self.pending = False, 0
+        self.ranks: list[int] = []
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            for s, handler in ((signal.SIGINT, self._stop), (signal.SIGTERM, self._stop), (signal.SIGHUP, self._stop),
+                               (signal.SIGTSTP, self._pause)):
                 if signal.getsignal(s) is not signal.SIG_IGN:
-                    self.previous[s] = signal.signal(s, self._stop)
+                    self.previous[s] = signal.signal(s, handler)
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
@@ -85,6 +94,13 @@ class Signals:
             raise Stopped(signum)
         self.pending = self.pending or signum
 
+    def _pause(self, signum: int, frame: Any) -> None:
+        for pid in self.ranks:
+            tell_rank(pid, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # as Ctrl-Z would have; the shell's `fg` (SIGCONT) goes on from here
+        for pid in self.ranks:
+            tell_rank(pid, signal.SIGCONT)
+
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
         self.held = True
@@ -94,6 +110,16 @@ class Signals:
             self.held = False
         if self.pending:
             raise Stopped(self.pending)
+
+
+def tell_rank(pid: int, signum: int) -> None:
+    """`signum` to a rank and to the processes it started (its DataLoader workers: the rank leads their process
+    group once it has started); nothing to a rank already gone."""
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:  # a rank still starting (spawn's own set-up) leads no group yet
+            os.kill(pid, signum)
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tuple = ()) -> Any:
@@ -129,6 +155,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
                                                   args=(rank, folder, os.getpid(), env, ends))
                         process.start()
                         processes.append(process)
+                        signals.ranks.append(process.pid)
                         relay.started(ends)
             failed = first_failure_of(processes, folder)
             if failed is None:
@@ -187,12 +214,19 @@ def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def ranks_env(nprocs: int, env: dict[str, str]) -> dict[str, str]:
+    """`env`, and what else each of `nprocs` ranks started here finds in its environment besides this process's own:
+    torch's threads and how they wait (devices.openmp_env), where neither says."""
+    return {**openmp_env(nprocs, {**os.environ, **env}), **env}
+
+
 def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
     """Run `command` as ranks 0..nprocs-1 of one job; return 0 when all end well, else the first failure's
     exit code (128 + N for signal N). A signal to this process stops them all."""
     server = store()
     procs: list[subprocess.Popen] = []
-    env = {**openmp_env(nprocs, {**os.environ, **(env or {})}), **(env or {})}  # threads, and how they wait
+    env = ranks_env(nprocs, env or {})
+    stopping = signal.SIGTERM
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
             parent = os.getpid()
@@ -201,7 +235,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                     slots.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **env,
                                                                 **job_env(rank, nprocs, server.port, folder)},
-                                                  preexec_fn=lambda: lifeline.die_with(parent)))
+                                                  start_new_session=True, preexec_fn=lambda: lifeline.die_with(parent)))
+                    signals.ranks.append(procs[-1].pid)
             failed = first_failure(procs, folder)
             if failed is None:
                 return 0
@@ -222,11 +257,12 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                       file=sys.stderr)
             return 128 - code if code < 0 else code
         except Stopped as e:
+            stopping = e.signum  # passed on as it came: the script sees its KeyboardInterrupt on Ctrl-C, as alone
             print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
             return 128 + e.signum
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
-            terminate(procs)
+            terminate(procs, stopping)
 
 
 def relaunch(strategy: Any) -> None:
@@ -246,6 +282,6 @@ def relaunch(strategy: Any) -> None:
 
 
 def job_choice(strategy: Any) -> dict[str, str]:
-    """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
-    CUDA_VISIBLE_DEVICES to the chosen cards already)."""
-    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}
+    """What a launcher tells the processes it starts: the strategy, and the devices as they see them (it has
+    narrowed CUDA_VISIBLE_DEVICES to the chosen cards already, where CUDA had not started)."""
+    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.spec}

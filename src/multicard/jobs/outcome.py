@@ -187,13 +187,13 @@ def _wait_for_any_child() -> int | None:
     return pid
 
 
-def terminate(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
+def terminate(procs: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    """`signum` (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
     STOP_GRACE_S."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.terminate()
+                p.send_signal(signum)
                 os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:

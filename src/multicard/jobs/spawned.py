@@ -51,6 +51,7 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
     """fn(*args) (pickled in the job's `folder`, file WORK) as rank `rank`; `env`: the job's variables; `ends`: the
     pipes its stdout and stderr go to, where the launcher shows them itself (a notebook)."""
     lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
+    os.setsid()  # a session of its own, as run's ranks have: see launcher.py
     streams.take(ends)
     os.environ.update(env)
     try:

@@ -1,2 +1,3 @@
-"""Tools on top of the trainer: the bench (strategies side by side) and its report, and the parity check
-(`multicard check`). The top layer under cli.py: may import every layer below it."""
+"""Tools on top of the trainer: the bench (strategies side by side) and its report, the parity check
+(`multicard check`), and `multicard run`'s start of the user's own script. The top layer under cli.py: may import
+every layer below it."""

@@ -29,6 +29,22 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 REPLICA_CHECKS = ("stop", "warn", "off")  # front/replicas.py's modes
 REPLICA_CHECK_EVERY = 100  # front/replicas.py's EVERY (tests/test_replicas.py holds them equal)
+# train --help shows the flags in these groups (title: what they set, the fields), in this order
+FLAG_GROUPS = {
+    "data: what it learns from": ("data", "data_dir", "download", "synthetic_samples", "augment", "workers",
+                                  "device_data", "eval_batch_size"),
+    "model: what trains, and how it computes": ("model", "precision", "channels_last", "compile", "compile_mode",
+                                                "deterministic"),
+    "optimization: the recipe (auto: docs/recipes.md)": (
+        "epochs", "batch_size", "lr", "optimizer", "momentum", "nesterov", "weight_decay", "scheduler", "lr_step",
+        "lr_gamma", "warmup_epochs", "accumulate", "clip_grad_norm", "seed"),
+    "strategy: how the processes and cards share the work": (
+        "strategy", "devices", "fsdp_blocks", "reshard_after_forward", "find_unused_parameters", "sync_bn", "timeout",
+        "replica_check", "replica_check_every"),
+    "checkpoints: saving, resuming, restarting": ("save_every", "save_every_steps", "keep_checkpoints", "resume",
+                                                  "max_restarts"),
+    "output: what it shows and writes": ("quiet", "out", "trust_dir", "tensorboard", "progress_every"),
+}
 
 
 @dataclass
@@ -48,7 +64,8 @@ class TrainConfig:
     # auto: ddp on 2+ cards, single on 1 card or on the CPU
     strategy: str = opt("auto", "auto, single, ddp, dp, dp-balanced or fsdp", choices=STRATEGIES)
     # auto: every visible card, else the CPU; cpu:N runs N processes (ddp on gloo)
-    devices: str = opt("auto", "auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1")
+    devices: str = opt("auto", "auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; a card named twice (0,0) "
+                       "rehearses 2 cards on one, over gloo")
     # fsdp shards the model's repeated blocks (a ModuleList's or Sequential's children of one class) by default
     fsdp_blocks: str = opt("", "fsdp: class names of the blocks to shard one by one, e.g. TransformerBlock "
                            "(default: the model's repeated blocks)")

@@ -250,6 +250,7 @@ def summarize(mc: Multicard, model: nn.Module, history: list[dict], config: Trai
         "rank_seconds": rank_seconds, "slowest_rank": slowest, "lag": lag,
         "wall_s": wall_s, "peak_memory_mb": flat(mc.gather(mc.peak_memory_mb())),
         "card_used_mb": flat(mc.gather(mc.card_used_mb())),  # NVML; [] where it cannot be read
+        "cpu_threads": flat(mc.gather([torch.get_num_threads()])),  # per process: they move a result's last digits
         "model": type(mc.unwrap(model)).__name__, "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "config": asdict(config),
     }
