@@ -12,7 +12,7 @@ it (an empty part): each sample once, and as many batches in every process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..errors import UsageError
 from ..jobs.slots import pass_ended, read_batch
+from ..jobs.trees import values
 from . import uneven
 from .order import Agree, same_everywhere
 from .parts import part, samples
@@ -38,14 +39,7 @@ def fingerprint(batch: Any, size: int) -> torch.Tensor:
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
+    return (value for value in values(batch) if isinstance(value, torch.Tensor))
 
 
 def read_whole(loader: DataLoader) -> bool:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoints.plain import unprefixed
 from ..data import uneven, watch
 from ..errors import UsageError
+from ..jobs.trees import values
 from . import determinism
 from .precision import to_fp32
 
@@ -201,10 +202,7 @@ def _holds_parameters(value: Any) -> bool:
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return next((t for t in map(_first_grad_tensor, items) if t is not None), None)
+    return next((t for t in values(obj) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 @contextlib.contextmanager
