@@ -66,7 +66,7 @@ def planted(mc: Multicard, cause: str, mode: str = "stop") -> dict:
             model, optimizer = run.setup(model, optimizer)
             for steps in range(1, 7):
                 step(run, model, optimizer)
-                if steps == 2:  # after step 2's check: caught at step 4's
+                if steps == 3:  # after the check after step 2 (at the 3rd forward): caught by the one after step 4
                     plant(run, cause, model, optimizer, last)
         line = "not caught"
     except ReplicasParted as e:

@@ -203,8 +203,9 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
-                            reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],  # 2+ processes: ddp
+                            reduced=self.world_size > 1, main=self.is_main,  # or fsdp reduces
+                            strategy=self._strategy, ticked=self._replicas.forwarded)
         self._replicas.set_up(model, name, list(prepared.parameters()))
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
