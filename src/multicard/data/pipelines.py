@@ -21,7 +21,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ..errors import UsageError
 from ..jobs.slots import pass_ended, read_batch
 from ..jobs.trees import values
-from . import uneven
+from . import uneven, watch
 from .order import Agree, same_everywhere
 from .parts import part, samples
 
@@ -88,11 +88,17 @@ class Split:
             if self.every:
                 read_batch()  # counted for the launcher: a rank given more batches than another is named with both
                 uneven.record(1.0)
+                watch.served_empty(None if size > self.rank else (
+                    f"rank {self.rank}'s evaluation batch {i + 1} has no rows (the loader's batch holds {size}, "
+                    f"fewer than the {self.world} processes, row t going to process t % {self.world})",
+                    f"a loader whose batches hold {self.world} rows or more (drop_last=True leaves a short last one "
+                    f"out, and its samples with it)"))
                 yield part(batch, self.rank, self.world)
             elif size >= self.world:  # its part, weighted by its rows (uneven.py)
                 read_batch()
                 yield uneven.local(batch, self.rank, self.world)
         uneven.record(1.0)  # the pass is over: what follows is not weighted by its last batch
+        watch.served_empty(None)
         pass_ended()
 
     def _check(self, batch: Any, size: int) -> None:

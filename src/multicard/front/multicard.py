@@ -25,6 +25,7 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher
 from ..jobs.dist import job_from_env
+from ..jobs.slots import explained
 from ..strategies import Strategy, syncbn
 from . import closure, determinism, memory
 from .between import Between
@@ -144,6 +145,11 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
             self._start()
             try:
                 return fn(self, *args)
+            except Exception as error:  # torch's, read in one line where multicard knows it (slots.explained)
+                said = explained(error)
+                if said is error:
+                    raise
+                raise said from None
             finally:
                 self.close()
         if self._state != "new":
