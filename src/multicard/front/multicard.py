@@ -50,6 +50,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     Under `multicard run`, "auto" takes the launcher's --strategy / --devices. (The data order is the plain
     DataLoader's own: its generator's, or torch's global RNG's; see setup_dataloader.)
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
+    find_unused_parameters: ddp: a parameter may get no gradient in a backward (a layer forward does not always
+    use); without it that is one line naming this option. A parameter frozen mid-run needs nothing (ddp.refresh).
     fsdp_blocks, reshard_after_forward: fsdp: the class names of the blocks to shard one by one (default: the
     model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
     timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
@@ -58,8 +60,9 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     `pip install 'multicard[tensorboard]'`), any object with log(metrics, step) (and close(), called by
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
     replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
-    compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
-    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). None: multicard run's
+    compare a fingerprint of their set-up models and optimizers every K steps (default 100; told by the reduced
+    forwards, alike on every rank), after setup and after mc.load, and stop (or warn once) where the replicas
+    parted (replicas.py). None: multicard run's
     --replica-check / --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no

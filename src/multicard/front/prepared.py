@@ -87,8 +87,9 @@ class Prepared(nn.Module):
         what trains changed since it was built (ddp: a parameter frozen or unfrozen mid-run), and the replica
         check told of a reduced forward (not one inside no_backward_sync)."""
         if self._strategy is not None:
-            wrapper = self._strategy.refresh(self.forward_module, self.module)
-            if wrapper is not self.forward_module:
+            before = self._modules["forward_module"]  # (not through __getattr__: this runs every forward)
+            wrapper = self._strategy.refresh(before, self.__dict__["_module"])
+            if wrapper is not before:
                 self.forward_module = wrapper
         if self._ticked is not None and not self._paused and self.__dict__.get(SYNC, True):
             self._ticked()
