@@ -6,6 +6,7 @@ they differ."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import multicard
+from conftest import run_cli
 from multicard.errors import UsageError
 from multicard.front import determinism
 from multicard.front.multicard import Multicard
@@ -56,19 +58,47 @@ def refused_job(mc: Multicard, where: str) -> None:
 REFUSED = r"^max_unpooling2d_forward_out{} has no deterministic version, and deterministic algorithms are on"
 
 
-@pytest.mark.parametrize("where, said", [("loss", ""), ("worker", r" \(in a DataLoader worker\)")])
-@pytest.mark.parametrize("devices", ["cpu", "cpu:2", pytest.param("cpu:3", marks=pytest.mark.slow)])
-def test_an_op_refused_in_the_loss_or_a_worker_is_one_line(restored, where, said, devices):
-    if devices == "cpu:2" and where == "worker":
-        pytest.skip("the 2-process worker case is in the slow suite (the same path as the loss's)")
+SLOW = pytest.mark.slow  # the 2-process worker case takes the loss's path to the line (and 3 processes)
+
+
+@pytest.mark.parametrize("devices, where", [("cpu", "loss"), ("cpu", "worker"), ("cpu:2", "loss"),
+                                            pytest.param("cpu:2", "worker", marks=SLOW),
+                                            pytest.param("cpu:3", "loss", marks=SLOW),
+                                            pytest.param("cpu:3", "worker", marks=SLOW)])
+def test_an_op_refused_in_the_loss_or_a_worker_is_one_line(restored, devices, where):
+    said = r" \(in a DataLoader worker\)" if where == "worker" else ""
     with pytest.raises(UsageError, match=REFUSED.format(said)):
         multicard.launch(refused_job, where, devices=devices, deterministic=True)
 
 
+SCRIPT = """
+import sys
+import torch
+import multicard
+from torch import nn
+from torch.utils.data import DataLoader
+from test_one_line import Unpooling, unpooled
+
+mc = multicard.Multicard()
+model = mc.setup(nn.Linear(16, 1))
+if sys.argv[1] == "loss":
+    mc.backward(unpooled(model(mc.local(torch.ones(6, 16))).sum().view(1, 1, 1, 1).expand(1, 1, 2, 2)).mean())
+else:
+    for batch in mc.setup_dataloader(DataLoader(Unpooling(), batch_size=2, num_workers=1)):
+        pass
+"""
+
+
 @pytest.mark.slow
-def test_an_op_refused_in_a_worker_on_two_processes_is_one_line(restored):
-    with pytest.raises(UsageError, match=REFUSED.format(r" \(in a DataLoader worker\)")):
-        multicard.launch(refused_job, "worker", devices="cpu:2", deterministic=True)
+@pytest.mark.parametrize("devices", ["cpu", "cpu:2"])
+def test_multicard_run_deterministic_says_a_refused_op_in_one_line(tmp_path, devices):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    env = {"PYTHONPATH": os.path.dirname(__file__)}
+    for where, said in (("loss", ""), ("worker", " (in a DataLoader worker)")):
+        out = run_cli("run", "--deterministic", "--devices", devices, str(tmp_path / "job.py"), where, env=env)
+        assert out.returncode == 2 and out.stderr.startswith(
+            f"multicard: error: max_unpooling2d_forward_out{said} has no deterministic version"), out.stderr
+        assert len(out.stderr.splitlines()) == 1, out.stderr
 
 
 def printed(mc: Multicard) -> list[str]:
@@ -82,8 +112,7 @@ def test_print_takes_prints_keywords_on_rank_0(capsys):
     with Multicard("single", "cpu") as mc:
         assert printed(mc) == ["a-1|b\n"]
         mc.print("c", end="")
-    assert capsys.readouterr().out == "c"
-    assert multicard.launch(printed, devices="cpu:2") == ["a-1|b\n", ""]
+    assert capsys.readouterr().out == "c"  # on 2 processes: test_inside_the_model_each_rank_without_rows_says_why
 
 
 class Flat(nn.Module):
@@ -104,7 +133,7 @@ class Stream(IterableDataset):
 
 def empty_job(mc: Multicard, outside: bool = True) -> list:
     model = mc.setup(Flat())
-    said = []
+    said = [printed(mc)]
     shards = DataLoader(TensorDataset(torch.ones(mc.world_size + 1, 2, 2)), batch_size=mc.world_size)
     streamed = DataLoader(Stream(), batch_size=mc.world_size * 2)  # read whole: its last batch of 1 row
     for loader in (shards, streamed):
@@ -121,7 +150,8 @@ def empty_job(mc: Multicard, outside: bool = True) -> list:
     return said
 
 
-def test_an_empty_evaluation_batch_names_the_rank_and_why():
+@pytest.mark.slow
+def test_an_empty_evaluation_batch_in_the_scripts_own_code_names_the_rank_and_why():
     with pytest.raises(UsageError, match=r"^rank 1's evaluation batch 2 of 2 has no rows \(the 3 samples dealt "
                                          r"over 2 processes leave it 1, one a batch: .*cannot reshape tensor of 0 "
                                          r"elements.*or give the loader a batch_size of 4 or more"):
@@ -136,6 +166,8 @@ def test_an_empty_evaluation_batch_on_three_processes():
 
 def test_inside_the_model_each_rank_without_rows_says_why():
     said = multicard.launch(empty_job, False, devices="cpu:2")  # rank 0's gather of what every rank said
+    assert [said[0][0], said[1][0]] == [["a-1|b\n", ""]] * 2  # mc.print with print's keywords, rank 0 alone
+    said = [part[1:] for part in said]
     assert said[0] == ["taken", "taken"], said
     assert said[1][0].startswith("rank 1's evaluation batch 2 of 2 has no rows (the 3 samples dealt over 2 "
                                  "processes leave it 1, one a batch: one batch fewer than rank 0's, and every "

@@ -6,6 +6,7 @@ naming what differs. On 2 gloo processes, and 3 in the slow suite (one job a wor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 
 import pytest
@@ -21,6 +22,12 @@ TAGS = {f"tag{i}" for i in range(20)}  # iterated in each process's own string-h
 
 class Thing:
     """A setting with no repr of its own: `<...Thing object at 0x...>`, another address in each process."""
+
+
+@dataclasses.dataclass
+class Tagged:
+    tags: set
+    sizes: tuple
 
 
 def loop(mc: Multicard, run: Multicard, group: dict, skip_on: int | None = None) -> dict:
@@ -47,7 +54,8 @@ def loop(mc: Multicard, run: Multicard, group: dict, skip_on: int | None = None)
 def seams_job(mc: Multicard) -> dict:
     found = {}
     pad = [object() for _ in range(1 + 997 * mc.rank)]  # each process's Thing at another address
-    alike = {"tags": set(TAGS), "thing": Thing(), "fn": lambda p: p, "nested": [{"x": frozenset(TAGS)}]}
+    alike = {"tags": set(TAGS), "thing": Thing(), "fn": lambda p: p, "nested": [{"x": frozenset(TAGS)}],
+             "config": Tagged(set(TAGS), (1,))}
     found["alike"] = loop(mc, Multicard("ddp", "cpu", replica_check_every=1), alike)
     found["differ"] = loop(mc, Multicard("ddp", "cpu", replica_check_every=1),
                            {"tags": {"tag0", f"tag{1 + mc.rank}"}})
@@ -101,3 +109,4 @@ def test_a_setting_is_fingerprinted_by_its_value():
     blind: list[str] = []
     assert stable([Thing(), (1.5,)], blind) == "[<Thing>, (1.5,)]" and blind == ["Thing"]
     assert stable({"a": 1}) != stable({"a": 2}) and number("0.1") != number(0.1)
+    assert stable(Tagged({"b", "a"}, (2,))) == "Tagged(tags={'a', 'b'}, sizes=(2,))"

@@ -5,6 +5,8 @@ gloo processes, 3 in the slow suite (one job a world size), against the one-proc
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -65,12 +67,21 @@ def trainable_job(mc: Multicard) -> dict:
     return mc.gather(found)
 
 
+def both_job(mc: Multicard) -> list:
+    return [*zip(trainable_job(mc), container_job(mc), strict=True)]
+
+
+@functools.cache
+def launched(world: int) -> list:
+    """Each rank's (trainable_job's, container_job's) of one job of `world` processes (one job for both tests)."""
+    return multicard.launch(both_job, devices=f"cpu:{world}")
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_what_trains_may_change_and_n_processes_take_one_process_steps(world):
     one = {case: train(Multicard("single", "cpu"), case) for case in CASES}
     one["unused, found"] = train(Multicard("single", "cpu"), "unused")
-    ranks = multicard.launch(trainable_job, devices=f"cpu:{world}")
-    for found in ranks:
+    for found, _ in launched(world):
         for case in [*CASES, "unused, found"]:
             for key, value in one[case].items():
                 torch.testing.assert_close(found[case][key], value, rtol=1e-5, atol=1e-6, msg=f"{case} {key}")
@@ -109,7 +120,7 @@ def test_a_set_up_container_reads_as_yours(world):
         with Multicard("single", "cpu") as mc:
             ranks = container_job(mc)
     else:
-        ranks = multicard.launch(container_job, devices=f"cpu:{world}")
+        ranks = [found for _, found in launched(world)]
     for found in ranks:
         assert found["index"] and found["slice"] == "Sequential" and found["len"] == 3 and found["in"]
         assert found["iter"] == ["Linear", "Tanh", "Linear"] and found["bool"]

@@ -10,6 +10,7 @@ count, and a flipped bit, a sign, or two values swapped (unless a multiple of th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 import zlib
@@ -104,6 +105,11 @@ def stable(value: Any, blind: list[str] | None = None) -> str:
         return f"[{items}]" if type(value) is list else f"({items}{',' * (len(value) == 1)})"
     if type(value) is dict:
         return "{" + ", ".join(f"{stable(k, blind)}: {stable(v, blind)}" for k, v in value.items()) + "}"
+    fields = value._asdict() if isinstance(value, tuple) and hasattr(value, "_asdict") else \
+        {f.name: getattr(value, f.name) for f in dataclasses.fields(value)} \
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) else None
+    if fields is not None:  # a namedtuple's or dataclass's fields, each by value
+        return f"{type(value).__qualname__}({', '.join(f'{k}={stable(v, blind)}' for k, v in fields.items())})"
     text = repr(value)
     if not ADDRESS.search(text):
         return text
