@@ -50,6 +50,25 @@ def cuda(test):
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA card")(test))
 
 
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0,
+                what: str = "") -> None:
+    """The one comparison of tensors that may come from a card: both are brought to the CPU first (torch.equal of a
+    card's tensor and a CPU one raises, and a test run on the CPU alone never sees that), then compared: equal bit
+    for bit, or within atol + rtol * |expected|. A failure says which side was on which device."""
+    try:
+        torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), atol=atol, rtol=rtol)
+    except AssertionError as e:
+        raise AssertionError(f"{what + ': ' if what else ''}actual (on {actual.device}) and expected (on "
+                             f"{expected.device}) differ: {e}") from None
+
+
+def rehearsal(test):
+    """Marks a card test of several processes `cuda` and `rehearse`: with fewer cards than processes they share a card
+    (--devices 0,0, over gloo), the code path of as many cards; benchmarks/on_a_card.sh runs these after its probe of
+    gloo on a shared card, so that a hang there costs the probe's time limit, not the other CUDA tests'."""
+    return pytest.mark.rehearse(cuda(test))
+
+
 def cpu_and_card(card: str = "cuda:0") -> list:
     """Devices to parametrise one test body over: the CPU, and a card (marked `cuda`, skipped where none is), so
     that a body written for a card also runs where CI runs."""

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, cuda, run_cli
+from conftest import ROOT, assert_same, cuda, rehearsal, run_cli
 from multicard.front import memory
 from multicard.tools import bench, parity
 from multicard.tools.bench_report import markdown, table
@@ -28,6 +28,18 @@ HAS_NVML = importlib.util.find_spec("pynvml") is not None
 
 def summary_of(out) -> dict:
     return json.loads((out / "summary.json").read_text())
+
+
+def test_one_comparison_for_tensors_that_may_come_from_a_card():
+    weights = torch.linspace(0, 1, 6)
+    assert_same(weights.clone(), weights)
+    assert_same(weights + 1e-5, weights, atol=2e-5)
+    with pytest.raises(AssertionError) as e:
+        assert_same(weights.to(torch.float64), weights, what="0.weight")  # bit for bit: the dtype too
+    with pytest.raises(AssertionError) as close:
+        assert_same(weights + 1e-3, weights, atol=1e-4, what="0.bias")
+    assert str(e.value).startswith("0.weight: actual (on cpu) and expected (on cpu) differ: ")
+    assert str(close.value).startswith("0.bias: actual (on cpu) and expected (on cpu) differ: ")
 
 
 def test_card_used_reads_nvml_per_card_in_mb(monkeypatch):
@@ -155,14 +167,13 @@ def test_cuda_fp16_with_accumulation_and_clipping(strategy, tmp_path):
     assert summary["optimizer_steps"] == 16 and math.isfinite(summary["train_loss"])
 
 
-@cuda
+@rehearsal
 def test_cuda_check_every_strategy_this_machine_runs():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA cards")
-    r = run_cli("check", "--devices", "cuda", "--data", "synthetic", "--synthetic-samples", "256", "--batch-size",
+    devices = "cuda" if torch.cuda.device_count() > 1 else "0,0"  # one card: 2 processes rehearse 2 cards on it
+    r = run_cli("check", "--devices", devices, "--data", "synthetic", "--synthetic-samples", "256", "--batch-size",
                 "32", "--steps", "4")
     assert r.returncode == 0, r.stdout + r.stderr
-    expected, _ = parity.runnable(TrainConfig(devices="cuda"))  # what the check says it runs, not a copy
+    expected, _ = parity.runnable(TrainConfig(devices=devices))  # what the check says it runs, not a copy
     assert re.findall(r"one device vs \d+ \(([\w-]+)\)", r.stdout) == expected
     assert all(line.endswith("PASS") for line in r.stdout.splitlines() if line.startswith("parity:"))
 
@@ -208,3 +219,24 @@ def test_on_a_card_sh_says_failed_for_a_step_whose_python_raised(tmp_path):
     assert re.fullmatch(rf"step env: FAILED \(exit 1\) in \d+ s; see {out}/env.txt\n", r.stdout), r.stdout
     assert "a stand-in" in (out / "env.txt").read_text() and "Error" in (out / "env.txt").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["env.txt", "runs", "steps.txt", "tmp"]  # all of it in OUT
+
+
+def test_on_a_card_sh_default_fits_one_call_of_under_9_minutes_and_rehearses_first():
+    text = open(os.path.join(ROOT, "benchmarks", "on_a_card.sh")).read()
+    default = re.search(r"steps=\$\{\*:-([\w -]+)\}", text)[1].split()
+    limits = {name: int(seconds) for name, seconds in re.findall(r"^\s+([\w-]+)\) (?:step|bench) \1 (\d+)", text, re.M)}
+    assert default[:2] == ["env", "rehearse"] and "cuda-tests" in default
+    assert sum(limits[name] for name in default) <= 540, limits  # each step is cut at its limit
+
+
+@pytest.mark.slow
+def test_on_a_card_sh_rehearse_runs_every_part_and_fails_where_one_does(tmp_path):
+    """On the CPU the probe's device stage fails (no card), the rehearsal tests skip, run and train say there is no
+    card: every part ran, and the step failed."""
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/on_a_card.sh", str(out), "rehearse"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT, env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 1 and r.stdout.startswith("step rehearse: FAILED (exit 1)"), r.stdout + r.stderr
+    log = (out / "rehearse.txt").read_text()
+    assert "probe: FAILED at device" in log and log.count("this machine has no CUDA card") == 2, log
+    assert re.search(r"\d+ skipped", log) and "== multicard train" in log, log

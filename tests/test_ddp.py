@@ -21,6 +21,7 @@ from multicard.jobs.dist import Job
 from multicard.models import LeNet5
 from multicard.strategies.ddp import DDP
 from multicard.tools.parity import check
+from test_seams import SEAMS
 
 FAST = dict(quiet=True, augment=False, lr=3e-3, scheduler="step", seed=0)
 
@@ -177,6 +178,7 @@ def test_torchrun_single_node(tmp_path):
                           "-m", "multicard", *TRAIN, "--out", str(tmp_path)], capture_output=True, text=True,
                          timeout=180, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not [line for line in SEAMS if line in out.stderr], out.stderr  # the trainer sets up all it uses
     summary = summary_of(tmp_path)
     assert (summary["world_size"], summary["launcher"], summary["strategy"]) == (2, "torchrun", "ddp")
 

@@ -92,7 +92,7 @@ def traced_peak(call) -> int:
     ("100000000", 2, "asks for 100000000 cards, this machine has 2"),
     ("cuda:100000000", 2, "no card with id 100000000 "),
     ("0,100000000", 4, "no card with id 100000000 "),
-    ("0," * 511 + "0", 2, "named twice"),  # 1023 characters: just inside the bound on the text
+    ("0," * 511 + "0", 2, "512 processes on card 0; a rehearsal puts at most 16"),  # 1023 characters: in the bound
 ])
 def test_huge_counts_and_ids_are_refused_before_anything_big_is_built(text, cards, words):
     def refused():
@@ -131,9 +131,9 @@ def test_any_card_form_without_cards_says_there_is_no_card(text):
     ("cuda:-1", 2, "no card with id -1"),
     ("-1,0", 2, "no card with id -1"),
     ("-1", 2, "asks for -1 cards"),
-    ("0,0", 2, "named twice"),
-    ("1,0,1", 2, "named twice"),
-    ("cuda:1,1", 2, "named twice"),
+    ("0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0", 1, "17 processes on card 0; a rehearsal puts at most 16 on one card"),
+    ("0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0", 2, "17 processes on card 1"),
+    ("0,0,2", 2, "no card with id 2"),
     ("0,2", 2, "no card with id 2 (this machine has ids 0..1)"),
     ("cuda:1", 1, "no card with id 1 (this machine has ids 0..0)"),
     ("7", 4, "asks for 7 cards, this machine has 4 (use 1..4)"),

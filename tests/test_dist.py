@@ -2,6 +2,7 @@
 
 import re
 
+from multicard.jobs.devices import Devices
 from multicard.jobs.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
 
 
@@ -33,7 +34,7 @@ def test_master_address_from_the_node_list():
 
 
 def test_backend_follows_the_device():
-    assert (backend_for("cuda"), backend_for("cpu")) == ("nccl", "gloo")
+    assert (backend_for(Devices("cuda", (0, 1))), backend_for(Devices("cpu", (0, 1)))) == ("nccl", "gloo")
 
 
 def test_a_rank_failure_crosses_process_boundaries_intact():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import cuda, run_cli, tiny_images
+from conftest import assert_same, cuda, run_cli, tiny_images
 from multicard import safefs
 from multicard.errors import UsageError
 from multicard.front.multicard import Multicard
@@ -105,7 +105,7 @@ def both(form: str, n: int, cards: int, primitives: Primitives = CPU):
 def assert_same_grads(a: nn.Module, b: nn.Module, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert q.grad is not None, name
-        torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=atol, msg=name)
+        assert_same(q.grad, p.grad, rtol=rtol, atol=atol, what=name)
 
 
 @pytest.mark.parametrize("n, cards, sizes", [(10, 3, [4, 4, 2]), (2, 3, [1, 1]), (7, 4, [2, 2, 2, 1]),
@@ -285,7 +285,7 @@ def test_cuda_steps_match_one_card(name, monkeypatch):
         for step in range(3):  # 11 samples per step: uneven over 2 or more cards
             xs, ys = x[11 * step: 11 * step + 11].cuda(), y[11 * step: 11 * step + 11].cuda()
             l1, l2 = f1(m1(xs), ys), f2(m2(xs), ys)
-            torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-5)
+            assert_same(l2, l1, rtol=1e-4, atol=1e-5, what="loss")
             for o, loss in ((o1, l1), (o2, l2)):
                 o.zero_grad()
                 loss.backward()
@@ -311,7 +311,7 @@ def test_cuda_run_saves_a_plain_model_and_memory_per_card(name, tmp_path):
 @cuda
 def test_cuda_batch_smaller_than_the_cards_is_an_error(tmp_path):
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA cards")
+        pytest.skip("needs 2 CUDA cards (dp drives them from one process: a rehearsal on one card is not dp's path)")
     r = run_cli("train", "--strategy", "dp", "--devices", "cuda", "--batch-size", "1", "--quiet",
                 "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "is smaller than the" in r.stderr

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from conftest import cpu_and_card, sharded, tiny_images
+from conftest import assert_same, cpu_and_card, rehearsal, sharded, tiny_images
 from multicard.errors import UsageError
 from multicard.front.multicard import Multicard
 from multicard.front.prepared import Prepared
@@ -88,7 +88,8 @@ def sgd_steps(mc: Multicard, folder: str) -> dict:
     mc.barrier()  # (a save on rank 0 alone, Lightning Fabric's deadlock: test_one_file.py)
     fresh = mlp()
     rest = mc.load(f"{folder}/ckpt.pt", {"model": fresh})
-    assert all(torch.equal(fresh.state_dict()[k], weights[k]) for k in weights)
+    for key, value in weights.items():  # the model on mc.device, the fresh one on the CPU
+        assert_same(fresh.state_dict()[key], value, what=key)
     return {"weights": weights, "rest": rest, "local": local, "synced": synced,
             "sum": mc.all_reduce(torch.tensor([mc.rank + 1.0])).item(), "max": mc.all_reduce(mc.rank, "max").item(),
             "mean": mc.all_reduce(mc.rank + 1, "mean").item(), "gather": mc.gather(mc.rank)}
@@ -300,5 +301,17 @@ def test_users_loop_on_one_device(device, strategy, precision, tmp_path):
     result = multicard.launch(sgd_job, str(tmp_path), strategy=strategy, devices=device, precision=precision)
     reference = multicard.launch(sgd_job, str(tmp_path), strategy="single", devices="cpu")
     for key, value in reference["weights"].items():
-        tolerance = 1e-4 if precision == "fp32" else 5e-2
-        assert (result["weights"][key].cpu() - value).abs().max().item() <= tolerance, key
+        assert_same(result["weights"][key], value, atol=1e-4 if precision == "fp32" else 5e-2, what=key)
+
+
+@rehearsal
+def test_users_loop_rehearsed_on_one_card(tmp_path):
+    """2 processes on card 0 (over gloo; on 2 cards, one each) take one process's steps: the loop, its collectives,
+    no_backward_sync and the checkpoint, as on 2 cards."""
+    devices = "0,1" if torch.cuda.device_count() > 1 else "0,0"
+    many = multicard.launch(sgd_job, str(tmp_path / "many"), strategy="ddp", devices=devices)
+    one = multicard.launch(sgd_job, str(tmp_path / "one"), strategy="single", devices="cpu")
+    for key, value in one["weights"].items():
+        assert_same(many["weights"][key], value, atol=1e-4, what=key)
+    assert (many["sum"], many["max"], many["gather"]) == (3.0, 1, [0, 1])
+    assert_same(many["synced"][0], sum(many["local"]) / 2, atol=1e-6, what="the reduced gradient")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import multicard
-from conftest import cuda, tiny_images
+from conftest import cuda, rehearsal, tiny_images
 from multicard.errors import UsageError
 from multicard.models import LeNet5, WideMLP
 from multicard.strategies.fsdp import units
@@ -96,6 +96,17 @@ def test_parity_on_three_processes():
                          synthetic_samples=480)
     (result,) = check(config, steps=10)
     assert result.processes == 3 and result.ok, result.lines()
+
+
+@rehearsal
+def test_fsdp_on_two_processes_of_a_card_steps_as_one_process():
+    """fsdp's reduce-scatter and all-gather on card tensors: over NCCL on 2 cards, over gloo where 2 processes share
+    one (gloo's reduce-scatter is an all-reduce, each process keeping its part: the sum must still be averaged)."""
+    devices = "0,1" if torch.cuda.device_count() > 1 else "0,0"
+    config = TrainConfig(devices=devices, strategy="fsdp", augment=False, batch_size=16, data="synthetic",
+                         synthetic_samples=160)
+    (result,) = check(config, steps=5)
+    assert result.strategy == "fsdp" and result.processes == 2 and result.ok, result.lines()
 
 
 class SmallWideMLP(WideMLP):

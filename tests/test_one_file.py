@@ -62,8 +62,9 @@ def main_only_job(mc, folder: str) -> list[float]:
 def test_a_save_by_rank_0_alone_keeps_its_streams_and_says_the_others_start_afresh(tmp_path, capfd):
     assert multicard.launch(main_only_job, str(tmp_path), strategy="ddp", devices="cpu:2") == [1.0, 0.0]
     err = capfd.readouterr().err
-    assert err.count("ckpt.pt: the other ranks did not save within 3 s (a save under `if mc.is_main:`?): it keeps "
-                     "rank 0's random streams; on load the others' start afresh") == 1  # said once, waited once
+    assert err.count("ckpt.pt: no other rank saved it along with rank 0 within 3 s (a save under `if mc.is_main:`, "
+                     "or a file per rank?): it holds rank 0's random streams; a rank that loads it starts its own "
+                     "afresh") == 1  # said once, waited once
     assert f"rank 1: {tmp_path / 'ckpt.pt'} holds no random streams of this rank (rank 0 saved without them): " \
            f"they start afresh" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
@@ -88,6 +89,6 @@ def test_last_on_every_rank_and_best_on_rank_0_alone_neither_stalls_nor_loses_st
     found = multicard.launch(mixed_job, str(tmp_path), strategy="ddp", devices="cpu:2", timeout=30)
     assert found["last"] == [1.0, 1.0]
     err = capfd.readouterr().err
-    assert err.count("best.pt: the other ranks did not save within 3 s") == 1
+    assert err.count("best.pt: no other rank saved it along with rank 0 within 3 s") == 1
     assert "last.pt" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import multicard
-from conftest import cuda, sharded, tiny_images
+from conftest import assert_same, cuda, sharded, tiny_images
 from multicard.data.images import ImageData
 from multicard.jobs.failures import RankFailed
 from multicard.models import LeNet5
@@ -76,7 +76,7 @@ def test_on_a_card_the_draws_are_made_there_without_a_host_sync():
         images, _ = on_card[index]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.allclose(images.cpu(), data[[5, 1, 6]][0], atol=1e-5)
+    assert_same(images, data[[5, 1, 6]][0], atol=1e-5, rtol=1e-5)
 
 
 def test_loader_workers_draw_the_epoch_set_before_the_pass():

@@ -222,8 +222,8 @@ def parser() -> argparse.ArgumentParser:
                        "torchrun; multicard.Multicard() inside picks the job up. The first failure stops all.")
     r.add_argument("--strategy", default="auto", choices=STRATEGIES,
                    help="auto (ddp on 2+ devices, else single), single, ddp, dp, dp-balanced or fsdp (default: auto)")
-    r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1 "
-                   "(default: auto)")
+    r.add_argument("--devices", default="auto", help="auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; "
+                   "a card named twice (0,0) rehearses 2 cards on one, over gloo (default: auto)")
     r.add_argument("--replica-check", choices=REPLICA_CHECKS, help="where the processes' models part: stop "
                    "naming what differs, warn once, or off (default: the script's Multicard(replica_check=...), else "
                    "stop)")

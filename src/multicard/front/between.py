@@ -13,7 +13,7 @@ import torch
 
 from ..data import parts, uneven
 from ..jobs.slots import watched
-from . import collectives
+from . import alike, collectives
 from .loggers import scalars
 
 
@@ -28,6 +28,7 @@ class Between:
         them, each field with as many rows, cut along `dim`; parts differ by at most one sample, the gradient
         weighted by the part's rows (uneven.py). mc.gather_in_order(outputs) puts the parts back in order."""
         self._start()
+        alike.cut(batch)  # the same global batch in every process? (its first call and every K-th)
         return uneven.local(batch, self.rank, self.world_size, dim)
 
     def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
@@ -35,6 +36,7 @@ class Between:
         e.g. a GAN's or a VAE's for the global batch), this process keeping its part along `dim`: the rows of the
         samples mc.local and the set-up loader give it."""
         self._start()
+        alike.dealt()
         return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
 
     def seed_per_process(self, seed: int) -> int:

@@ -23,11 +23,10 @@ from torch.utils.data import DataLoader
 
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
-from ..jobs import launcher
+from ..jobs import launcher, slots
 from ..jobs.dist import job_from_env
-from ..jobs.slots import explained
 from ..strategies import Strategy, syncbn
-from . import closure, determinism, memory
+from . import alike, closure, determinism, memory, owners
 from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
@@ -43,15 +42,15 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
     single).
-    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1.
+    devices: auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; a card named twice (0,0) rehearses 2 cards
+    on one (one process each, over gloo).
     precision: fp32, bf16 (the model's forward under autocast; its outputs handed back in fp32), or fp16 (the
     same, plus a gradient scaler: mc.backward scales the loss, optimizer.step() unscales and skips steps whose
     gradients overflowed, counted in mc.skipped_steps; mc.scaler goes into checkpoints).
     Under `multicard run`, "auto" takes the launcher's --strategy / --devices. (The data order is the plain
     DataLoader's own: its generator's, or torch's global RNG's; see setup_dataloader.)
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
-    find_unused_parameters: ddp: a parameter may get no gradient in a backward (a layer forward does not always
-    use); without it that is one line naming this option. A parameter frozen mid-run needs nothing (ddp.refresh).
+    find_unused_parameters: ddp: a parameter may get no gradient in a backward (else one line names this option).
     fsdp_blocks, reshard_after_forward: fsdp: the class names of the blocks to shard one by one (default: the
     model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
     timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
@@ -62,8 +61,9 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
     compare a fingerprint of their set-up models and optimizers every K steps (default 100; told by the reduced
     forwards, alike on every rank), after setup and after mc.load, and stop (or warn once) where the replicas
-    parted (replicas.py). None: multicard run's
-    --replica-check / --replica-check-every, else the defaults.
+    parted (replicas.py). The same mode governs the seams: an optimizer step over parameters no set-up model
+    holds (owners.py), and mc.local on batches the processes drew apart, compared every K calls (alike.py). None:
+    multicard run's --replica-check / --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
@@ -147,12 +147,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         if self.job.launched or self._strategy.processes == 1:
             self._start()
             try:
-                return fn(self, *args)
-            except Exception as error:  # torch's, read in one line where multicard knows it (slots.explained)
-                said = explained(error)
-                if said is error:
-                    raise
-                raise said from None
+                with slots.plainly():  # torch's error, read in one line where multicard knows it
+                    return fn(self, *args)
             finally:
                 self.close()
         if self._state != "new":
@@ -173,6 +169,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
             launcher.relaunch(self._strategy)
         self._strategy.start(self.job)
         self._state = "started"
+        owners.opened(self._replicas)  # 2+ processes: optimizer steps are watched (owners.py)
         memory.reset(self._strategy.cards)
         if self.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -186,6 +183,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
                 logger.close()
         if self._state == "started":
             self._replicas.close()
+            owners.closed(self._replicas)
             self._strategy.stop()
         self._state = "closed"
 
@@ -212,10 +210,11 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],  # 2+ processes: ddp
-                            reduced=self.world_size > 1, main=self.is_main,  # or fsdp reduces
-                            strategy=self._strategy, ticked=self._replicas.forwarded)
-        self._replicas.set_up(model, name, list(prepared.parameters()))
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision], strategy=self._strategy,
+                            reduced=self.world_size > 1, main=self.is_main, ticked=self._replicas.forwarded)
+        parameters = list(prepared.parameters())
+        owners.held(parameters)
+        self._replicas.set_up(model, name, parameters)
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -226,6 +225,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         for optimizer in optimizers:
             closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
             self._replicas.watch(optimizer)
+            owners.set_up(optimizer)  # its parameters outside the set-up models: gradients averaged
         self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
@@ -261,6 +261,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        if train:
+            alike.dealt()
         agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,

@@ -23,7 +23,7 @@ from ..checkpoints.plain import unprefixed
 from ..data import uneven, watch
 from ..errors import UsageError
 from ..jobs.trees import values
-from . import determinism
+from . import alike, determinism
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
@@ -62,6 +62,8 @@ class Prepared(nn.Module):
             self._arm()
         weight = uneven.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
         watch.forwarded()
+        if self._reduced:  # 2+ processes: the first training forward compares its inputs (alike.py)
+            alike.forwarded((args, kwargs), self.training)
         try:
             if dtype is None:
                 out = self.forward_module(*args, **kwargs)

@@ -38,6 +38,7 @@ from ..errors import UsageError
 from ..jobs.slots import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
+from .owners import outside
 from .parted import ReplicasParted, explain, meet, unlike
 
 MODES = ("stop", "warn", "off")
@@ -190,7 +191,7 @@ class ReplicaCheck:
                 kind: str = "setup") -> bool:
         self.key, self.meetings = self.key or f"replicas/{next(_MADE)}", self.meetings + 1
         meet(self.strategy, self.key, self.meetings, [kind, self.steps, when])
-        found = entries(models, params, optimizers)
+        found = entries(models, params, optimizers) + outside(optimizers)  # and their parameters outside the models
         self._say_blind(found)
         with torch.no_grad(), watched():
             line = unlike(self.strategy, when, found) if first else None

@@ -41,17 +41,20 @@ def save(mc: Any, path: str | Path, state: dict[str, Any]) -> None:
     _checked("save", state)
     path = Path(path)
     if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
-        if mc.is_main:
+        if randoms.handed(mc, safefs.shown(path), None)[0]:  # rank 0, or a rank whose save rank 0 does not share
             checkpoint.save_state(path, state)
         return
     mc._saves += 1
     own = {"save": mc._saves, "world": mc.world_size, "rng": checkpoint.rng_state()}
     if mc.sharded:
         state, own["shards"], others = _sharded(mc, path, state, own["rng"])
+        writes = mc.is_main
     else:
-        others = randoms.handed(mc, safefs.shown(path), own["rng"])
-    if mc.is_main:
+        writes, others = randoms.handed(mc, safefs.shown(path), own["rng"])
+    if writes:
         own["ranks"] = others  # rank: its random streams, for every other rank that handed them over
+        if mc.rank:  # a rank that saved without rank 0: "rng" is its own
+            own["rank"] = mc.rank
         if mc.scaler is not None:
             own.update(scaler=mc.scaler.state_dict(), skipped=mc.skipped_steps)
         checkpoint.save_state(path, {**state, OWN: own})
@@ -145,14 +148,15 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
                   f"{mc.world_size}: the data order and each sample's augmentation go on; dropout's random "
                   f"streams start afresh", file=sys.stderr, flush=True)
         return
-    if mc.rank == 0:
+    writer = own.get("rank", 0)  # whose streams "rng" holds
+    if mc.rank == writer:
         checkpoint.set_rng_state(own["rng"])
     elif isinstance(own.get("ranks"), dict):
         if mc.rank in own["ranks"]:
             checkpoint.set_rng_state(own["ranks"][mc.rank])
         else:
-            print(f"multicard: rank {mc.rank}: {path} holds no random streams of this rank (rank 0 saved without "
-                  f"them): they start afresh", file=sys.stderr, flush=True)
+            print(f"multicard: rank {mc.rank}: {path} holds no random streams of this rank (rank {writer} saved "
+                  f"without them): they start afresh", file=sys.stderr, flush=True)
     else:  # written before one file held every rank's streams: each rank's beside it
         _restore_beside(mc, path, own)
 
@@ -181,10 +185,12 @@ class Checkpoints:
         resume from exactly: models unwrapped (no `module.`), a loader as its place in the data, plus what
         this object holds (the fp16 gradient scaler) and every process's random streams (torch, CUDA, numpy,
         random). Rank 0 writes `path`, one file, atomically; the other ranks hand it their random streams (a
-        few KB) and never wait. Call it on every rank after an optimizer step; a save under `if mc.is_main:`
-        works too (its first save to a name waits 3 s for the others, then says they did not come; their streams
-        start afresh on load; randoms.py). Under fsdp every rank writes its shards of the model and optimizers
-        (torch.distributed.checkpoint) into a folder beside `path`, so there every rank must call it."""
+        few KB) and go on once rank 0 reaches that save. Call it on every rank after an optimizer step; a save
+        under `if mc.is_main:` works too (its first save to a name waits 3 s for the others, then says so; their
+        streams start afresh on load), and so does a save on another rank alone, or to a file per rank: a rank
+        whose save rank 0 does not share within 3 s writes the file itself, with its own streams (randoms.py).
+        Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into a
+        folder beside `path`, so there every rank must call it."""
         self._start()
         save(self, path, state)
 

@@ -1,7 +1,8 @@
 """Parse --devices, and pin the chosen cards before CUDA starts (as one does by hand with CUDA_VISIBLE_DEVICES);
 the cores a process may use, and how its threads wait for them.
 
-Forms: auto | cpu | cpu:N | N (a count of cards) | 0,1 (card ids) | cuda | cuda:1 (one card by id).
+Forms: auto | cpu | cpu:N | N (a count of cards) | 0,1 (card ids) | cuda | cuda:1 (one card by id). A card id named
+twice (0,0 or cuda:0,cuda:0) is a rehearsal: one process per entry, those of a card sharing it, over gloo.
 """
 
 from __future__ import annotations
@@ -25,11 +26,35 @@ class Devices:
     def count(self) -> int:
         return len(self.ids)
 
+    @property
+    def shared(self) -> bool:
+        """A card named twice or more: processes share it (a rehearsal of more cards on fewer)."""
+        return self.kind == "cuda" and len(set(self.ids)) < len(self.ids)
+
+    @property
+    def spec(self) -> str:
+        """The --devices text that chooses these devices again in this process, or in a rank started with its
+        environment: the card ids as this process sees them (after select, CUDA_VISIBLE_DEVICES shows only them);
+        on the CPU the kind (a rank is one process)."""
+        return f"cuda:{','.join(map(str, self.ids))}" if self.kind == "cuda" else self.kind
+
+
+def rehearsal(devices: Devices) -> str:
+    """The line a rehearsal starts with: what it is and what differs from as many real cards."""
+    cards = len(set(devices.ids))
+    on = "one card" if cards == 1 else f"{cards} cards"
+    return (f"rehearsal: {devices.count} processes on {on}, over gloo (NCCL takes one process per card); they share "
+            f"its memory and compute: this tests the job, not NCCL, the links between cards, memory per card or speed")
+
 
 # Each CPU process is a whole Python + torch (a few hundred MB, and a gloo peer of every other one); past about 8
 # per core they only queue for the cores, and cpu:100000000 would build 10^8 ids before any later check. A little
 # oversubscribing stays allowed (the tests run cpu:3 on 2 cores), and 64 at least lets a small machine try many ranks.
 CPU_PROCESSES_PER_CORE, CPU_PROCESSES_FLOOR = 8, 64
+
+# A rehearsal's processes on one card (each holds a CUDA context, ~0.5 GB, and a share of the card's time): 16 rehearse
+# two machines of 8 cards on one.
+MAX_PER_CARD = 16
 
 # The longest --devices read: ids 0..255 fit in 914 characters. Bounding the text first bounds all the work below
 # (the id regex keeps some state per id; int() of 4300+ digits is a ValueError, not a UsageError).
@@ -80,14 +105,16 @@ def parse(text: str, cards: int, cores: int | None = None) -> Devices:
         if not 1 <= n <= cards:
             raise UsageError(f"--devices {text}: asks for {n} cards, this machine has {cards} (use 1..{cards})")
         return Devices("cuda", tuple(range(n)))
-    if m := re.fullmatch(r"(?:cuda:)?(-?\d+(?:,-?\d+)*),?", t):
-        ids = [int(i) for i in m.group(1).split(",")]
+    if re.fullmatch(r"(?:cuda:)?-?\d+(?:,(?:cuda:)?-?\d+)*,?", t):
+        ids = [int(i.removeprefix("cuda:")) for i in t.rstrip(",").split(",")]
         _need_cards(text, cards)
         bad = [i for i in ids if not 0 <= i < cards]
         if bad:
             raise UsageError(f"--devices {text}: no card with id {bad[0]} (this machine has ids 0..{cards - 1})")
-        if len(set(ids)) != len(ids):
-            raise UsageError(f"--devices {text}: a card is named twice; name each card once")
+        crowded = max(set(ids), key=ids.count)
+        if ids.count(crowded) > MAX_PER_CARD:
+            raise UsageError(f"--devices {text}: {ids.count(crowded)} processes on card {crowded}; a rehearsal puts "
+                             f"at most {MAX_PER_CARD} on one card")
         return Devices("cuda", tuple(ids))
     raise UsageError(f"--devices {text}: not understood; use auto, cpu, cpu:N, a count N, ids 0,1 or cuda:1")
 
@@ -210,14 +237,16 @@ def count_cards() -> tuple[int, bool]:
 
 
 def select(text: str) -> Devices:
-    """Parse --devices for this machine; where CUDA has not started yet, show the process only those cards."""
+    """Parse --devices for this machine; where CUDA has not started yet, show the process only those cards (each
+    once: a card named twice is shared, its processes all see it under one id)."""
     cards, unstarted = count_cards()
     devices = parse(text, cards)
     if devices.kind == "cuda" and unstarted:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = shown.split(",") if shown else [str(i) for i in range(cards)]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i].strip() for i in devices.ids)
-        devices = Devices("cuda", tuple(range(devices.count)), devices.note)
+        chosen = list(dict.fromkeys(devices.ids))
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i].strip() for i in chosen)
+        devices = Devices("cuda", tuple(chosen.index(i) for i in devices.ids), devices.note)
     return devices
 
 

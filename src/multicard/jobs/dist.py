@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import lifeline
+from .devices import Devices
 from .lifeline import inherited
 from .quiet import cpp_log_hidden
 from .slots import hook_failures, progress, progress_slot, slot_timed_out
@@ -130,19 +131,20 @@ def rendezvous_env(env=os.environ) -> dict[str, str]:
     return out
 
 
-def backend_for(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"  # gloo for CPU tensors, NCCL for cards
+def backend_for(devices: Devices) -> str:
+    """NCCL for cards, each driven by one process; gloo for CPU tensors, and for processes that share a card (NCCL
+    refuses two ranks on one card; gloo reduces card tensors through the host)."""
+    return "nccl" if devices.kind == "cuda" and not devices.shared else "gloo"
 
 
-def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
+def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     """Join the job's process group. Collectives, and the rendezvous, wait at most `timeout_s` for the others."""
     import torch.distributed as dist
 
     check_timeout(timeout_s)
     timeout = timedelta(seconds=timeout_s)
     if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
-        dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(backend_for(devices), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     lifeline.tie_forks()
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
@@ -152,7 +154,7 @@ def init(job: Job, device_type: str, timeout_s: float = 120) -> None:
     progress()
     hook_failures()
     store = rendezvous(job, timeout_s)
-    dist.init_process_group(backend_for(device_type), store=dist.PrefixStore("default_pg", store), rank=job.rank,
+    dist.init_process_group(backend_for(devices), store=dist.PrefixStore("default_pg", store), rank=job.rank,
                             world_size=job.world, timeout=timeout)
 
 

@@ -236,6 +236,6 @@ def relaunch(strategy: Any) -> None:
 
 
 def job_choice(strategy: Any) -> dict[str, str]:
-    """What a launcher tells the processes it starts: the strategy, and the kind of device (it has narrowed
-    CUDA_VISIBLE_DEVICES to the chosen cards already)."""
-    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.kind}
+    """What a launcher tells the processes it starts: the strategy, and the devices as they see them (it has
+    narrowed CUDA_VISIBLE_DEVICES to the chosen cards already, where CUDA had not started)."""
+    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.spec}

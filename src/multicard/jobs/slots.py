@@ -89,6 +89,19 @@ def explained(error: BaseException) -> BaseException:
     return error
 
 
+@contextlib.contextmanager
+def plainly() -> Iterator[None]:
+    """Around work whose error ends the caller (launch's fn in this process): an error an explainer reads is
+    raised as its one line instead."""
+    try:
+        yield
+    except Exception as error:
+        said = explained(error)
+        if said is error:
+            raise
+        raise said from None
+
+
 def lost_peer(error: BaseException) -> bool:
     return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
 

@@ -26,6 +26,10 @@ def choose(name: str, devices: Devices, job: Job) -> str:
     if name not in ("ddp", "fsdp") and job.world > 1:
         raise UsageError(f"--strategy {name} runs in one process, but {job.launcher} started {job.world}; "
                          f"use --strategy ddp or fsdp")
+    if name in ("dp", "dp-balanced") and devices.shared:
+        raise UsageError(f"--strategy {name} drives every card from one process: it cannot rehearse more cards on "
+                         f"fewer (a card named twice in --devices); rehearse with --strategy ddp or fsdp, or name "
+                         f"each card once")
     if name in ("dp", "dp-balanced") and devices.kind != "cuda":
         where = "this machine has none" if devices.note else "--devices chose the CPU"
         raise UsageError(f"--strategy {name} needs CUDA cards, but {where}: use --strategy single, "

@@ -1,10 +1,12 @@
-"""ddp: one process per card (NCCL) or per CPU slot (gloo), gradients averaged by DistributedDataParallel."""
+"""ddp: one process per card (NCCL) or per CPU slot (gloo), gradients averaged by DistributedDataParallel. Processes
+that share a card (--devices 0,0, a rehearsal) meet over gloo."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import re
+import sys
 import time
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import UsageError
 from ..jobs import dist
+from ..jobs.devices import Devices, rehearsal
 from ..jobs.dist import Job
 from . import syncbn
 from .base import Strategy
@@ -42,11 +45,13 @@ class DDP(Strategy):
         if self.devices.kind == "cuda" and 1 < self.devices.count <= job.local_rank:
             raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here; start "
                              f"one process per card, or show each process one card")
+        if self.devices.shared and job.rank == 0:  # said before anything that could wait on the others
+            print(f"multicard: {rehearsal(self.devices)}", file=sys.stderr, flush=True)
         super().start(job)
         if torch_dist.is_initialized():  # another Multicard (or the script itself) joined the job already
-            _check_group(job, self.device.type)
+            _check_group(job, self.devices)
         else:
-            dist.init(job, self.device.type, self.timeout_s)
+            dist.init(job, self.devices, self.timeout_s)
             _GROUP["ours"] = True
         _GROUP["users"] += 1
         self.in_group = True
@@ -163,15 +168,16 @@ class DDP(Strategy):
 _GROUP = {"users": 0, "ours": False}
 
 
-def _check_group(job: Job, device_type: str) -> None:
+def _check_group(job: Job, devices: Devices) -> None:
     """A group joined before this Multicard serves it if it is this job's: the same rank, world and a backend
-    for this device's tensors."""
+    for this device's tensors (gloo where processes share a card)."""
     world, rank = (job.world, job.rank) if job.launched else (1, 0)
     have = (torch_dist.get_rank(), torch_dist.get_world_size())
     if have != (rank, world):
         raise UsageError(f"this process joined a process group as rank {have[0]} of {have[1]}, but its job says "
                          f"rank {rank} of {world}: destroy that group, or let Multicard join the job")
     backend = str(torch_dist.get_backend())
-    if device_type == "cpu" and "gloo" not in backend:
-        raise UsageError(f"this process joined a {backend} process group, which cannot reduce CPU tensors: "
+    if dist.backend_for(devices) == "gloo" and "gloo" not in backend:
+        tensors = "tensors of a card shared by processes" if devices.shared else "CPU tensors"
+        raise UsageError(f"this process joined a {backend} process group, which cannot reduce {tensors}: "
                          f"join with gloo, or let Multicard join the job")

@@ -2,8 +2,10 @@
 `fully_shard` that torchtitan scales on). A block's parameters are gathered whole just before it computes and
 dropped after; gradients are reduce-scattered, so each process steps only its own shard.
 
-Processes, rendezvous and collectives are ddp's (NCCL on cards, gloo on the CPU). The device mesh is built
-explicitly for this process's device: the default one follows the accelerator, which a CPU job must not.
+Processes, rendezvous and collectives are ddp's (NCCL on cards, gloo on the CPU and on a shared card). The device
+mesh is built explicitly for this process's device: the default one follows the accelerator, which a CPU job must not.
+On a shared card gloo's reduce-scatter is an all-reduce of the whole tensor, each process keeping its part: twice the
+traffic of NCCL's, through the host; all-gather copies through the host too.
 """
 
 from __future__ import annotations

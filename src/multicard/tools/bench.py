@@ -27,7 +27,7 @@ from ..errors import UsageError
 
 SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
 ON_CARDS = ("single", "dp", "dp-balanced", "ddp", "fsdp")
-ON_CPU = ("single", "ddp", "fsdp")
+ON_CPU = ("single", "ddp", "fsdp")  # also on a card named twice: dp and dp-balanced drive all cards from one process
 # synthetic samples per epoch: on the CPU about half a second of work per epoch on 2 quiet cores, so the default
 # sweep stays well under 2 minutes on a shared machine; on cards sized for about a second on one H100 (a guess)
 # wide-mlp (104M parameters): about a second per step of 64 on the CPU, so 4 steps an epoch there
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", help="comma list (default: what this machine can run: "
                    "single,ddp,fsdp on the CPU; single,dp,dp-balanced,ddp,fsdp with cards)")
     p.add_argument("--devices", help="comma list of device counts (default: 1..cards; on the CPU 1..min(2, cores) "
-                   "processes)")
+                   "processes); a card id named twice rehearses on it: 0,0 runs 1 and 2 processes on card 0")
     p.add_argument("--samples", type=int, help="synthetic training samples per epoch (default: lenet5 4096 on "
                    "the CPU, 262144 on cards; resnet8 512 / 65536; wide-mlp 256 on the CPU; other models 1024 / "
                    "65536)")
@@ -82,21 +82,37 @@ def counts(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def rehearsed(text: str | None, cards: int) -> tuple[int, ...] | None:
+    """The card ids of a --devices that names a card twice (0,0: a rehearsal, the cell of N processes on its first
+    N entries), else None: --devices counts devices."""
+    entries = (text or "").lower().replace("cuda:", "").replace(" ", "").split(",")
+    if len(set(entries)) == len(entries):
+        return None
+    from ..jobs.devices import parse
+
+    return parse(text or "", cards).ids
+
+
 def plan(args: argparse.Namespace, cards: int, cores: int) -> list[tuple[str, int]]:
     """Check the sweep and fill in the defaults of `args` for this machine; return its (strategy, count) cells.
 
     `single` runs only on one device; every other strategy on every count."""
     kind = "cuda" if cards else "cpu"
+    args.rehearsal = rehearsed(args.devices, cards)
     runnable, available = (ON_CARDS, cards) if cards else (ON_CPU, cores)
+    if args.rehearsal:
+        runnable, available = ON_CPU, len(args.rehearsal)
     names = args.strategies.split(",") if args.strategies else list(runnable)
     for name in names:
         if name not in ON_CARDS:
             raise UsageError(f"--strategies {args.strategies}: unknown strategy {name!r}; choose from "
                              f"{', '.join(ON_CARDS)}")
         if name not in runnable:
-            raise UsageError(f"--strategies {args.strategies}: {name} needs CUDA cards and this machine has none; "
-                             f"use {','.join(ON_CPU)}")
-    numbers = counts(args.devices) if args.devices else list(range(1, (cards or min(2, cores)) + 1))
+            why = "drives every card from one process: it cannot rehearse on a card named twice" if args.rehearsal \
+                else "needs CUDA cards and this machine has none"
+            raise UsageError(f"--strategies {args.strategies}: {name} {why}; use {','.join(ON_CPU)}")
+    numbers = list(range(1, available + 1)) if args.rehearsal else counts(args.devices) if args.devices else \
+        list(range(1, (cards or min(2, cores)) + 1))
     if max(numbers) > available:
         what = f"{cards} cards" if cards else f"{cores} CPU cores (one process each)"
         raise UsageError(f"--devices {args.devices}: asks for {max(numbers)} devices, this machine has {what}")
@@ -118,8 +134,11 @@ def plan(args: argparse.Namespace, cards: int, cores: int) -> list[tuple[str, in
     return [(name, n) for name in dict.fromkeys(names) for n in numbers if name != "single" or n == 1]
 
 
-def device_spec(n: int, cards: int) -> str:
-    """The --devices text of a cell: CPU processes (cpu / cpu:N) without cards, else the first N cards."""
+def device_spec(n: int, cards: int, rehearsal: tuple[int, ...] | None = None) -> str:
+    """The --devices text of a cell: CPU processes (cpu / cpu:N) without cards, else the first N cards (in a
+    rehearsal, the first N of its ids)."""
+    if rehearsal:
+        return "cuda:" + ",".join(map(str, rehearsal[:n]))
     if cards:
         return str(n)
     return "cpu" if n == 1 else f"cpu:{n}"
@@ -256,11 +275,11 @@ def sweep(args: argparse.Namespace, cells: list[tuple[str, int]], cards: int, co
         spec = {**common, "out": str(out / "plain-loop")}
         results["baseline"] = measured(run_seed_loop, spec, "plain loop", 1, SEED_BATCH, cores)
     for strategy, n in cells:
-        spec = {**common, "strategy": strategy, "devices": device_spec(n, cards), "batch": args.batch_size,
-                "out": str(out / f"{strategy}-{n}")}
+        spec = {**common, "strategy": strategy, "devices": device_spec(n, cards, args.rehearsal),
+                "batch": args.batch_size, "out": str(out / f"{strategy}-{n}")}
         results["cells"].append(measured(run_cell, spec, strategy, n, args.batch_size, cores))
     if not args.no_fast:
-        spec = {**common, "strategy": "single", "devices": device_spec(1, cards), "fast": True,
+        spec = {**common, "strategy": "single", "devices": device_spec(1, cards, args.rehearsal), "fast": True,
                 "batch": args.fast_batch, "precision": args.precision, "compile": args.compile,
                 "out": str(out / "fast")}
         results["fast"] = measured(run_cell, spec, "single fast", 1, args.fast_batch, cores)
@@ -282,6 +301,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: unknown; choose one of {', '.join(sorted(models.MODELS))}")
     cards, cores = machine()
     cells = plan(args, cards, cores)
+    if args.rehearsal:
+        from ..jobs.devices import Devices, rehearsal
+
+        print(f"multicard: {rehearsal(Devices('cuda', args.rehearsal))}", flush=True)
     begin = time.perf_counter()
     results = sweep(args, cells, cards, cores)
     report = bench_report.build(args, results, cards, cores, time.perf_counter() - begin)

@@ -167,10 +167,13 @@ def runnable(config: TrainConfig) -> tuple[list[str], str]:
     many = select(devices)
     if many.count < 2:
         raise UsageError(f"--devices {config.devices}: parity needs 2 or more devices, e.g. cpu:2 or 0,1")
+    if many.kind == "cuda":  # this process sees only the chosen cards now: named again as it sees them
+        devices = many.spec
     if config.strategy != "auto":
         return [config.strategy], devices
-    # fsdp only when asked for (--strategy fsdp): its parity is ddp's arithmetic, sharded
-    return (["ddp", "dp", "dp-balanced"] if many.kind == "cuda" else ["ddp"]), devices
+    # fsdp only when asked for (--strategy fsdp): its parity is ddp's arithmetic, sharded; dp and dp-balanced cannot
+    # rehearse on a shared card
+    return (["ddp", "dp", "dp-balanced"] if many.kind == "cuda" and not many.shared else ["ddp"]), devices
 
 
 def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,

@@ -48,7 +48,8 @@ class TrainConfig:
     # auto: ddp on 2+ cards, single on 1 card or on the CPU
     strategy: str = opt("auto", "auto, single, ddp, dp, dp-balanced or fsdp", choices=STRATEGIES)
     # auto: every visible card, else the CPU; cpu:N runs N processes (ddp on gloo)
-    devices: str = opt("auto", "auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1")
+    devices: str = opt("auto", "auto, cpu, cpu:N, a card count N, card ids 0,1 or cuda:1; a card named twice (0,0) "
+                       "rehearses 2 cards on one, over gloo")
     # fsdp shards the model's repeated blocks (a ModuleList's or Sequential's children of one class) by default
     fsdp_blocks: str = opt("", "fsdp: class names of the blocks to shard one by one, e.g. TransformerBlock "
                            "(default: the model's repeated blocks)")
