@@ -72,6 +72,9 @@ def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str]
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
         _fail("usage", str(e))
     except Exception as e:
+        said = slots.explained(e)  # torch's error, read in one line where an upper layer knows it
+        if isinstance(said, UsageError):
+            _fail("usage", str(said))
         slots.failed(e)
         _fail("trace", traceback.format_exc())
     _watch_threads(rank)
