@@ -66,7 +66,7 @@ def planted(mc: Multicard, cause: str, mode: str = "stop") -> dict:
             model, optimizer = run.setup(model, optimizer)
             for steps in range(1, 7):
                 step(run, model, optimizer)
-                if steps == 2:  # after step 2's check: caught at step 4's
+                if steps == 3:  # after the check after step 2 (at the 3rd forward): caught by the one after step 4
                     plant(run, cause, model, optimizer, last)
         line = "not caught"
     except ReplicasParted as e:
@@ -273,9 +273,9 @@ def test_under_fsdp_the_whole_model_is_compared_before_sharding_then_buffers_and
         "at mc.setup, before fsdp shards the model (it copies no weights between processes: build the model alike "
         "on every rank, e.g. after torch.manual_seed, or load it on every rank): the replicas parted: parameter "
         "lin1.weight differs on rank 1 from rank 0's by up to ")
-    assert multicard.launch(fsdp_job, "lr", devices="cpu:2").startswith(
-        "after optimizer step 2: the replicas parted: the optimizer's lr (param group 0) is 0.05 on rank 0, 0.1 on "
-        "rank 1; ")
+    assert multicard.launch(fsdp_job, "lr", devices="cpu:2").startswith(  # changed after step 1, before the check
+        "after optimizer step 1: the replicas parted: the optimizer's lr (param group 0) is 0.05 on rank 0, 0.1 on "
+        "rank 1; ")  # that runs at the next forward
 
 
 # -- what the user controls -------------------------------------------------------------------------------------

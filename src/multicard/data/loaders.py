@@ -191,8 +191,10 @@ class Sharded:
                 watch.skipped_twice(epoch, skip, self.counts)  # resumed pass was passed over: the script skips too
             served, forwards = served + 1, watch.forwards()
             yield batch if there else to_device(batch, self.device)
-        for _ in range(len(self) - served) if isinstance(order, ShardSampler) else ():
+        for i in range(served, len(self)) if isinstance(order, ShardSampler) else ():
+            watch.served_empty(order.why_empty(i))  # what the script's error on it is read as
             yield self._empty(batch)  # evaluation: as many batches in every process, this one out of rows
+        watch.served_empty(None)
         if ordered:
             order.start = 0
         uneven.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
@@ -287,7 +289,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if whole_batches and (device_data or loader.num_workers == 0):
         return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
     kept = {name: getattr(loader, name) for name in KEPT}
-    kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn)  # workers end with this process
+    kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn, torch.are_deterministic_algorithms_enabled())
     indices = Keyed(order) if seed_per_sample is not False else order  # Keyed: each index goes with its epoch
     batches = Chunks(indices, order.sizes) if not train else BatchSampler(indices, local, drop_last=False)
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation

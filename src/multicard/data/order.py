@@ -106,6 +106,18 @@ class ShardSampler(Sampler[int]):
             sizes[-2:] = [self.batch - 1, 1]
         return sizes
 
+    def why_empty(self, index: int) -> tuple[str, str]:
+        """Why this process's evaluation batch `index` has no rows, and what gives it some (for watch.py)."""
+        held, count = len(self), len(self.sizes)
+        why = f"rank {self.rank}'s evaluation batch {index + 1} of {count} has no rows (the {self.size} samples " \
+              f"dealt over {self.world} processes leave it {held}"
+        if not held:
+            return f"{why}; every process gets as many evaluation batches)", \
+                f"evaluate on {self.size} process{'es' * (self.size != 1)} or fewer"
+        return f"{why}, one a batch: one batch fewer than rank 0's, and every process gets as many)", \
+            f"give the loader a batch_size of {2 * self.world} or more (2 a process): a short last batch then " \
+            f"lends a row to every process"
+
     def order(self) -> torch.Tensor:
         if self.draws is not None:
             self.draws.draw()

@@ -10,8 +10,6 @@ evenly. mc.gather_in_order puts the parts back in order.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from ..jobs.trees import children, places, remake
 
 
 def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
@@ -28,47 +27,11 @@ def bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def _dataclass_fields(obj: Any) -> list[str] | None:
-    """The field names of a dataclass instance (a model's output record), else None."""
-    return [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) and \
-        not isinstance(obj, type) else None
-
-
-def leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(where, value) for every tensor or number in dicts, lists, tuples and dataclasses, in a fixed order."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from leaves(value, f"{path}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from leaves(value, f"{path}[{i}]")
-    elif (names := _dataclass_fields(obj)) is not None:
-        for name in names:
-            yield from leaves(getattr(obj, name), f"{path}.{name}")
-    else:
-        yield path, obj
-
-
-def rebuild(obj: Any, values: Iterator) -> Any:
-    """`obj`'s structure with its leaves taken in order from `values` (named tuples, list subclasses and
-    dataclasses kept: a dataclass is copied, its fields set anew)."""
-    if isinstance(obj, dict):
-        return type(obj)((k, rebuild(v, values)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        items = [rebuild(v, values) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if (names := _dataclass_fields(obj)) is not None:
-        new = copy.copy(obj)
-        for name in names:
-            object.__setattr__(new, name, rebuild(getattr(obj, name), values))  # frozen ones too
-        return new
-    return next(values)
-
-
-def _is_structure(items: list | tuple) -> bool:
-    """A list or tuple of tensors (or of dicts, lists, tuples): fields of a batch, each cut in turn. Any other
-    list or tuple (strings, numbers) holds one value per sample: it is cut itself."""
-    return hasattr(items, "_fields") or any(isinstance(i, (torch.Tensor, Mapping, list, tuple)) for i in items)
+def _per_sample(batch: Any, found: list) -> bool:
+    """Whether a list or tuple holds one value per sample (strings, numbers: it is cut itself), rather than the
+    fields of a batch (tensors, dicts, lists, tuples; a namedtuple's), each cut in turn."""
+    return isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields") and \
+        not any(isinstance(i, (torch.Tensor, Mapping, list, tuple)) for i in found)
 
 
 def _axis(tensor: torch.Tensor, dim: int, where: str = "") -> int:
@@ -81,8 +44,9 @@ def _axis(tensor: torch.Tensor, dim: int, where: str = "") -> int:
 
 def part(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
     """Rank's rows of `batch` along `dim`, dealt as the set-up loader deals a global batch (rows rank, rank +
-    world, ...): a tensor (its part made contiguous), a list / tuple of per-sample values, or dicts, lists and
-    tuples of these (each field cut alike). Strings and other values are kept whole."""
+    world, ...): a tensor (its part made contiguous), a list / tuple of per-sample values, or dicts, lists,
+    tuples, namedtuples and dataclasses of these (each field cut alike, each structure its own type again).
+    Strings and other values are kept whole."""
     return _cut(batch, slice(rank, None, world), dim)
 
 
@@ -96,18 +60,10 @@ def _cut(batch: Any, rows: slice, dim: int) -> Any:
         if batch.dim() == 0:
             return batch
         return batch[(slice(None),) * _axis(batch, dim) + (rows,)].contiguous()
-    if isinstance(batch, Mapping):
-        cut = {key: _cut(value, rows, dim) for key, value in batch.items()}
-        try:
-            return type(batch)(cut)
-        except TypeError:  # a mapping that cannot be built from a dict: a plain dict of its fields
-            return cut
-    if isinstance(batch, (list, tuple)):
-        if not _is_structure(batch):
-            return batch[rows]
-        fields = [_cut(item, rows, dim) for item in batch]
-        return type(batch)(*fields) if hasattr(batch, "_fields") else type(batch)(fields)
-    return batch
+    found = children(batch)  # (trees.py: dicts, lists, tuples, namedtuples, dataclasses)
+    if found is None:
+        return batch
+    return batch[rows] if _per_sample(batch, found) else remake(batch, [_cut(field, rows, dim) for field in found])
 
 
 def _counts(batch: Any, dim: int, where: str = "") -> Iterator[tuple[str, int]]:
@@ -115,15 +71,13 @@ def _counts(batch: Any, dim: int, where: str = "") -> Iterator[tuple[str, int]]:
     if isinstance(batch, torch.Tensor):
         if batch.dim():
             yield where, batch.size(_axis(batch, dim, where and f" at {where}"))
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _counts(value, dim, f"{where}[{key!r}]")
-    elif isinstance(batch, (list, tuple)):
-        if not _is_structure(batch):
-            yield where, len(batch)
-            return
-        for i, item in enumerate(batch):
-            yield from _counts(item, dim, f"{where}[{i}]")
+        return
+    found = children(batch)
+    if found is not None and _per_sample(batch, found):
+        yield where, len(batch)
+    elif found is not None:
+        for place, field in zip(places(batch), found, strict=True):
+            yield from _counts(field, dim, where + place)
 
 
 def samples(batch: Any, dim: int = 0) -> int | None:

@@ -12,7 +12,7 @@ it (an empty part): each sample once, and as many batches in every process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +20,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..errors import UsageError
 from ..jobs.slots import pass_ended, read_batch
-from . import uneven
+from ..jobs.trees import values
+from . import uneven, watch
 from .order import Agree, same_everywhere
 from .parts import part, samples
 
@@ -38,14 +39,7 @@ def fingerprint(batch: Any, size: int) -> torch.Tensor:
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
+    return (value for value in values(batch) if isinstance(value, torch.Tensor))
 
 
 def read_whole(loader: DataLoader) -> bool:
@@ -94,11 +88,17 @@ class Split:
             if self.every:
                 read_batch()  # counted for the launcher: a rank given more batches than another is named with both
                 uneven.record(1.0)
+                watch.served_empty(None if size > self.rank else (
+                    f"rank {self.rank}'s evaluation batch {i + 1} has no rows (the loader's batch holds {size}, "
+                    f"fewer than the {self.world} processes, row t going to process t % {self.world})",
+                    f"a loader whose batches hold {self.world} rows or more (drop_last=True leaves a short last one "
+                    f"out, and its samples with it)"))
                 yield part(batch, self.rank, self.world)
             elif size >= self.world:  # its part, weighted by its rows (uneven.py)
                 read_batch()
                 yield uneven.local(batch, self.rank, self.world)
         uneven.record(1.0)  # the pass is over: what follows is not weighted by its last batch
+        watch.served_empty(None)
         pass_ended()
 
     def _check(self, batch: Any, size: int) -> None:

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
+from ..jobs.trees import leaves, rebuild, values
 from . import watch
-from .parts import leaves, part, rebuild, samples
+from .parts import part, samples
 
 _cut: list = [1.0, None, 0]  # the last split: this process's weight, its rows of it, and the dim they lie along
 _applied = [1.0]  # the weight the last forward with gradients applied
@@ -68,7 +69,7 @@ def claim(inputs: Any) -> float:
     weight, rows, dim = _cut
     if weight == 1 or rows is None:
         return weight
-    sizes = [t.size(dim) for _, t in leaves(inputs) if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()]
+    sizes = [t.size(dim) for t in values(inputs) if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()]
     if sizes and rows not in sizes:
         record(1.0)
         return 1.0

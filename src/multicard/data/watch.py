@@ -5,7 +5,10 @@ would part N processes from one:
   a batch holds 1/N of the global batch, and torch's error names only the sizes. A shape error that names a
   global batch this process holds fewer rows of gains one line (a note under torch's message) saying so;
 - a resumed loader whose first batches are pulled with no forward of a set-up model between them: the script
-  skips the batches mc.load already put the loader past (islice, skip_first_batches), so they are skipped twice.
+  skips the batches mc.load already put the loader past (islice, skip_first_batches), so they are skipped twice;
+- an evaluation batch with no rows (a process short of samples, as many batches in every process) that the
+  script's code cannot take (`x.reshape(len(x), -1)`, pack_padded_sequence): one line naming the rank and why,
+  in place of torch's error on some ranks only.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ import re
 import sys
 from typing import Any
 
+from ..errors import UsageError
+from ..jobs.slots import explain_with
+
 _forwards = [0]  # forwards of a set-up model in this process
 _batches: dict[int, int] = {}  # global batch -> this process's rows of it, where they differ
 _told: set[str] = set()  # what was said already (once per process)
 _hooked: list = []  # the excepthook found when ours went in
+_empty: list = [None]  # why the evaluation batch now served has no rows, and what gives it some; else None
 
 
 def forwarded() -> None:
@@ -44,14 +51,41 @@ def dealt(global_batch: int | None, mine: int) -> None:
     """This process holds `mine` rows of each global batch of `global_batch` (a set-up loader, mc.local)."""
     if global_batch is not None and 0 < mine < global_batch and global_batch not in _batches:
         _batches[global_batch] = mine
-        if not _hooked:  # a script's error that reaches the top gets its line too (torch's own hook, if any, after)
-            _hooked.append(sys.excepthook)
-            sys.excepthook = _hook
+        _hook_in()
+
+
+def _hook_in() -> None:
+    if not _hooked:  # a script's error that reaches the top gets its line too (torch's own hook, if any, after)
+        _hooked.append(sys.excepthook)
+        sys.excepthook = _hook
+
+
+def served_empty(why: tuple[str, str] | None) -> None:
+    """The batch being served has no rows (`why`: why, and what gives the rank some), or (None) one has rows
+    again. An error while it is out is read as caused by it."""
+    _empty[0] = why
+    if why is not None:
+        explain_with(emptied)
+        _hook_in()
+
+
+def emptied(error: BaseException) -> UsageError | None:
+    """The one line for an error raised while this process holds an evaluation batch with no rows."""
+    if _empty[0] is None or not isinstance(error, (RuntimeError, ValueError, IndexError)):
+        return None
+    why, fix = _empty[0]
+    return UsageError(f"{why}, and the code that took it failed ({str(error).strip().splitlines()[0]}): let it take "
+                      f"an empty batch (x.flatten(1), not x.reshape(len(x), -1); skip what cannot, such as "
+                      f"pack_padded_sequence, when len(x) == 0, still calling every collective), or {fix}")
 
 
 def explain(error: BaseException) -> None:
     """Add one line to a shape error that names a global batch next to a smaller size this process holds (or to
-    an invalid view's shape): which number is the global batch, and what to shape by."""
+    an invalid view's shape): which number is the global batch, and what to shape by. An error on an evaluation
+    batch with no rows is raised as one line instead."""
+    said = emptied(error)
+    if said is not None:
+        raise said from None
     if not isinstance(error, (RuntimeError, ValueError)) or not _batches or getattr(error, "_multicard_told", False):
         return
     text = str(error).split("\n")[0]
@@ -66,5 +100,8 @@ def explain(error: BaseException) -> None:
 
 
 def _hook(kind: type, error: BaseException, trace: Any) -> None:
+    said = emptied(error)
+    if said is not None:
+        kind, error, trace = type(said), said, None
     explain(error)
     _hooked[0](kind, error, trace)

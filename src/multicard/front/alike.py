@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..data.parts import leaves
 from ..errors import UsageError
 from ..jobs.slots import watched
+from ..jobs.trees import values
 from . import owners
 
 FIRST = 4096  # values of a tensor its fingerprint reads: a bounded cost, whatever the batch's size
@@ -72,7 +72,7 @@ def forwarded(inputs: Any, training: bool) -> None:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for _, t in leaves(obj) if isinstance(t, torch.Tensor)]
+    return [t for t in values(obj) if isinstance(t, torch.Tensor)]
 
 
 def _alike(strategy: Any, tensors: list[torch.Tensor]) -> bool:

@@ -93,10 +93,11 @@ class Between:
         with watched():
             self._strategy.barrier()
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """print() on rank 0 only."""
+    def print(self, *args: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None,
+              flush: bool = True) -> None:
+        """print() on rank 0 only, with print's own keywords (flushed unless flush=False)."""
         if self.is_main:
-            print(*args, **kwargs, flush=True)
+            print(*args, sep=sep, end=end, file=file, flush=flush)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Write {name: number} (numbers or one-element tensors) at `step` to this object's loggers, on rank 0;

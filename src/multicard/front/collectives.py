@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..data.parts import bounds, leaves, rebuild
+from ..data.parts import bounds
 from ..errors import UsageError
 from ..jobs.slots import watched
+from ..jobs.trees import children, leaves, rebuild, remake
 from ..strategies import Strategy
 
 OPS = ("sum", "mean", "max", "min")
@@ -113,8 +114,8 @@ def split(strategy: Strategy, inputs: Any) -> Any:
     """This process's contiguous part of `inputs` (a list, tuple, tensor or other sliceable sequence, or a dict
     of them): parts differ by at most one item, rank 0's first; concatenated in rank order they are `inputs`.
     Inference over a list, kept contiguous for that; a training batch is cut by mc.local (data/parts.py)."""
-    if isinstance(inputs, dict):
-        return type(inputs)((k, split(strategy, v)) for k, v in inputs.items())
+    if isinstance(inputs, Mapping):
+        return remake(inputs, [split(strategy, v) for v in inputs.values()])
     if not hasattr(inputs, "__getitem__") or not hasattr(inputs, "__len__"):
         raise UsageError(f"split takes a list, tuple, tensor or dict of them, not {type(inputs).__name__}")
     start, stop = bounds(len(inputs), strategy.rank, strategy.world)
@@ -128,7 +129,8 @@ def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) 
     train=False loader, or one batch of it, every process holding the same number of batches; one batch cut by
     mc.local or a loader read whole; a DistributedSampler without shuffle), so the parts are interleaved.
     `outputs`: this process's per-sample results in its order: a tensor (one row per sample), a list of
-    per-sample values, or a dict / tuple of these (predictions and labels together stay paired). `total` (the
+    per-sample values, or a dict / tuple / namedtuple / dataclass of these, each its own type again (predictions
+    and labels together stay paired; another value beside them, a string, is rank 0's). `total` (the
     dataset's size) drops what is beyond it: the padding a DistributedSampler repeats. Every process gets the
     whole result."""
     parts = strategy.gather(_to_cpu(outputs))
@@ -141,12 +143,13 @@ def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) 
 
 
 def structure(obj: Any) -> str:
-    """What gather_in_order needs to agree across ranks, in words: dicts' keys, tuples' lengths, and at the
-    leaves a tensor (with its trailing shape) or a list."""
-    if isinstance(obj, dict):
+    """What gather_in_order needs to agree across ranks, in words: dicts' keys, tuples' lengths (namedtuples' and
+    dataclasses' fields), and at the leaves a tensor (with its trailing shape) or a list."""
+    found = None if isinstance(obj, list) else children(obj)
+    if isinstance(obj, Mapping):
         return "{" + ", ".join(f"{k!r}: {structure(v)}" for k, v in obj.items()) + "}"
-    if isinstance(obj, tuple):
-        return "(" + ", ".join(structure(v) for v in obj) + ")"
+    if found is not None:
+        return f"{'' if type(obj) is tuple else type(obj).__name__}({', '.join(structure(v) for v in found)})"
     if isinstance(obj, torch.Tensor):
         return f"a tensor of rows {tuple(obj.shape[1:])}"
     return "a list" if isinstance(obj, list) else f"a {type(obj).__name__}"
@@ -154,10 +157,12 @@ def structure(obj: Any) -> str:
 
 def _interleave(parts: list, total: int | None) -> Any:
     first = parts[0]
-    if isinstance(first, dict):
-        return type(first)((k, _interleave([p[k] for p in parts], total)) for k in first)
-    if isinstance(first, tuple):
-        return type(first)(_interleave([p[i] for p in parts], total) for i in range(len(first)))
+    found = None if isinstance(first, list) else children(first)
+    if found is not None:  # a structure: each of its places interleaved, its type kept
+        each = [children(p) for p in parts]
+        return remake(first, [_interleave([c[i] for c in each], total) for i in range(len(found))])
+    if not isinstance(first, (torch.Tensor, list)):  # not per-sample (a string, a number beside them): rank 0's
+        return first
     lengths = [len(p) for p in parts]
     if lengths != sorted(lengths, reverse=True) or lengths[0] - lengths[-1] > 1:
         raise UsageError(f"gather_in_order: the processes hold {lengths} samples; round-robin shards differ by at "

@@ -11,6 +11,7 @@ import os
 import re
 
 from ..errors import UsageError
+from ..jobs import slots
 
 ENV = "MULTICARD_DETERMINISTIC"  # how `multicard run --deterministic` tells the script's Multicard
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"  # cuBLAS reads it when it starts: before the first cuBLAS call of a process
@@ -47,6 +48,7 @@ def turn_on() -> None:
         raise UsageError(f"deterministic mode: this process used CUDA already, so cuBLAS started without {CUBLAS}; "
                          f"create the Multicard before any CUDA work, or set {CUBLAS}={WORKSPACE} before starting")
     os.environ.setdefault(CUBLAS, WORKSPACE)
+    slots.explain_with(refused)  # an op refused in the loss or a loader's worker ends a rank with the one line too
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False  # autotuning picks by timing: another kernel, other digits, per run
     torch.backends.cudnn.deterministic = True
@@ -55,9 +57,20 @@ def turn_on() -> None:
 def check(error: RuntimeError) -> None:
     """Raise multicard's one line where `error` is torch refusing an op that has no deterministic version; return
     otherwise (the caller re-raises the error as it was)."""
-    found = REFUSED.search(str(error))
-    if found:
-        raise UsageError(f"{found[1]} has no deterministic version, and deterministic algorithms are on "
-                         f"(--deterministic, deterministic=True): run without them, or avoid the op (in your own "
-                         f"loop, torch.use_deterministic_algorithms(True, warn_only=True) after Multicard(...) "
-                         f"warns instead)") from None
+    said = refused(error)
+    if said is not None:
+        raise said from None
+
+
+def refused(error: BaseException) -> UsageError | None:
+    """The one line for torch refusing an op with no deterministic version, wherever it ran (the model, the loss,
+    a DataLoader worker, whose error torch raises again in the loop); None for any other error. An error that
+    ends a rank is read with it (slots.explain_with), once deterministic mode is on."""
+    found = REFUSED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    where = " (in a DataLoader worker)" if "DataLoader worker" in str(error) else ""
+    return UsageError(f"{found[1]}{where} has no deterministic version, and deterministic algorithms are on "
+                      f"(--deterministic, deterministic=True): run without them, or avoid the op (in your own "
+                      f"loop, torch.use_deterministic_algorithms(True, warn_only=True) after Multicard(...) "
+                      f"warns instead)")

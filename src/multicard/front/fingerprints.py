@@ -10,6 +10,8 @@ count, and a flipped bit, a sign, or two values swapped (unless a multiple of th
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import struct
 import zlib
 from typing import Any
@@ -19,6 +21,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 PRIME = 4093  # positions are weighed modulo this
+ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a repr: an object's address, which differs between processes
 
 
 def entries(models: list[tuple[str, nn.Module]], params: bool, optimizers: list) -> list[tuple[str, Any]]:
@@ -45,7 +48,8 @@ def entries(models: list[tuple[str, nn.Module]], params: bool, optimizers: list)
 def shape(value: Any) -> str:
     """What must agree before values are compared: a tensor's shape and dtype (a setting's value is compared)."""
     if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        layout = "" if value.layout == torch.strided else f" {str(value.layout).removeprefix('torch.')}"
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}{layout}"
     return "(a setting)"
 
 
@@ -65,6 +69,9 @@ def fingerprints(found: list, device: torch.device) -> tuple[torch.Tensor, list[
 def column_sums(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as 32-bit integers, summed by position modulo PRIME: PRIME int64 numbers. The sums wrap
     around at 2**32: still exact and order-free, and ~25x faster on the CPU than sums that widen each element."""
+    if tensor.layout != torch.strided:  # sparse (a buffer ddp leaves alone): its indices, then its values
+        coo = tensor.detach().to_sparse_coo().coalesce()
+        return column_sums(coo.indices()) + column_sums(coo.values())
     flat = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
     flat = flat.reshape(-1)  # a copy only of a tensor that is not contiguous
     size = flat.element_size()
@@ -78,7 +85,34 @@ def column_sums(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def number(value: Any) -> int:
-    """A setting as an int64: a number's float64 bits, else a checksum of its repr (the same in every process)."""
+    """A setting as an int64: a number's float64 bits, else a checksum of its stable text (the same in every
+    process that holds the same value: stable())."""
     if isinstance(value, (bool, int, float)):
         return struct.unpack("<q", struct.pack("<d", float(value)))[0]
-    return zlib.crc32(repr(value).encode())
+    return zlib.crc32(stable(value).encode())
+
+
+def stable(value: Any, blind: list[str] | None = None) -> str:
+    """A setting's text, the same in every process that holds the same value: a set's items sorted (their order
+    follows each process's string hashes), and an object whose repr names its address (`<Thing object at 0x...>`,
+    a function) by its type alone, as `<Thing>` (its address differs between processes, its value is not shown);
+    the names of such types are appended to `blind`."""
+    if isinstance(value, (set, frozenset)):
+        items = "{" + ", ".join(sorted(stable(v, blind) for v in value)) + "}"
+        return items if type(value) is set else f"{type(value).__name__}({items})"
+    if type(value) in (list, tuple):
+        items = ", ".join(stable(v, blind) for v in value)
+        return f"[{items}]" if type(value) is list else f"({items}{',' * (len(value) == 1)})"
+    if type(value) is dict:
+        return "{" + ", ".join(f"{stable(k, blind)}: {stable(v, blind)}" for k, v in value.items()) + "}"
+    fields = value._asdict() if isinstance(value, tuple) and hasattr(value, "_asdict") else \
+        {f.name: getattr(value, f.name) for f in dataclasses.fields(value)} \
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) else None
+    if fields is not None:  # a namedtuple's or dataclass's fields, each by value
+        return f"{type(value).__qualname__}({', '.join(f'{k}={stable(v, blind)}' for k, v in fields.items())})"
+    text = repr(value)
+    if not ADDRESS.search(text):
+        return text
+    if blind is not None:
+        blind.append(type(value).__qualname__)
+    return f"<{type(value).__qualname__}>"

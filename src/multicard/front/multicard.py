@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
-from ..jobs import launcher
+from ..jobs import launcher, slots
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy, syncbn
 from . import alike, closure, determinism, memory, owners
@@ -50,6 +50,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     Under `multicard run`, "auto" takes the launcher's --strategy / --devices. (The data order is the plain
     DataLoader's own: its generator's, or torch's global RNG's; see setup_dataloader.)
     sync_batchnorm: ddp: BatchNorm layers compute their statistics over all processes (setup converts them).
+    find_unused_parameters: ddp: a parameter may get no gradient in a backward (else one line names this option).
     fsdp_blocks, reshard_after_forward: fsdp: the class names of the blocks to shard one by one (default: the
     model's repeated blocks), and whether a block's gathered parameters are freed after its forward.
     timeout: seconds the rendezvous or a collective may wait for another process; then the job stops, naming
@@ -58,11 +59,11 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     `pip install 'multicard[tensorboard]'`), any object with log(metrics, step) (and close(), called by
     mc.close()), or a list of these. Only rank 0 writes. `mc.loggers` is the list, to add to later.
     replica_check, replica_check_every: on 2+ processes, "stop" (default), "warn" or "off": whether the processes
-    compare a fingerprint of their set-up models and optimizers every K optimizer steps (default 100), after setup
-    and after mc.load, and stop (or warn once) where the replicas parted (replicas.py). The same mode governs the
-    seams: an optimizer step over parameters no set-up model holds (owners.py), and mc.local on batches the
-    processes drew apart, compared every K calls (alike.py). None: multicard run's --replica-check /
-    --replica-check-every, else the defaults.
+    compare a fingerprint of their set-up models and optimizers every K steps (default 100; told by the reduced
+    forwards, alike on every rank), after setup and after mc.load, and stop (or warn once) where the replicas
+    parted (replicas.py). The same mode governs the seams: an optimizer step over parameters no set-up model
+    holds (owners.py), and mc.local on batches the processes drew apart, compared every K calls (alike.py). None:
+    multicard run's --replica-check / --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
@@ -146,7 +147,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         if self.job.launched or self._strategy.processes == 1:
             self._start()
             try:
-                return fn(self, *args)
+                with slots.plainly():  # torch's error, read in one line where multicard knows it
+                    return fn(self, *args)
             finally:
                 self.close()
         if self._state != "new":
@@ -208,8 +210,8 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision],
-                            reduced=self.world_size > 1, main=self.is_main)  # 2+ processes: ddp or fsdp reduces
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision], strategy=self._strategy,
+                            reduced=self.world_size > 1, main=self.is_main, ticked=self._replicas.forwarded)
         parameters = list(prepared.parameters())
         owners.held(parameters)
         self._replicas.set_up(model, name, parameters)

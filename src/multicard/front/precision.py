@@ -4,11 +4,12 @@ scaler behind optimizer.step()."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import types
 from typing import Any
 
 import torch
+
+from ..jobs.trees import map_tensors
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
 
@@ -46,15 +47,9 @@ def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.Grad
 def to_fp32(obj: Any) -> Any:
     """Half-precision float tensors in any structure back to float32, the structure kept (dp-balanced's list of
     per-card outputs with its sample counts included)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, to_fp32(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        out = copy.copy(obj)  # a list subclass keeps what else it carries
-        out[:] = [to_fp32(v) for v in obj]
-        return out
-    if isinstance(obj, tuple):
-        items = [to_fp32(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
+    return map_tensors(_fp32, obj)
+
+
+def _fp32(value: Any) -> Any:
+    half = isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
+    return value.float() if half else value

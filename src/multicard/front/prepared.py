@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,25 +22,35 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoints.plain import unprefixed
 from ..data import uneven, watch
 from ..errors import UsageError
+from ..jobs.trees import values
 from . import alike, determinism
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
-_OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", SYNC)
+_OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", "_strategy", "_ticked",
+        SYNC)
+CONTAINER = ("__getitem__", "__len__", "__iter__")  # a model class with any of these reads as a container
 
 
 class Prepared(nn.Module):
     """A model as set up: the strategy's wrapper runs the forward (under autocast where `dtype` is given, the
     outputs handed back in fp32). Everything else reads as the user's own model: its attributes, `.module`,
     and its state_dict, which has no wrapper prefix. `reduced`: the wrapper reduces gradients between processes
-    (its parameters are fixed at setup, and only its forward arms the reduction)."""
+    (only its forward arms the reduction; `strategy` rebuilds it where what trains changed). `ticked`: called
+    before each forward whose backward is reduced (the replica check's count)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Prepared:
+        module = args[1] if len(args) > 1 else kwargs.get("module")
+        if cls is Prepared and any(hasattr(type(module), name) for name in CONTAINER):
+            cls = Container  # a Sequential, ModuleList, ModuleDict (or a class of the user's) indexes as itself
+        return super().__new__(cls)
 
     def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None,
-                 reduced: bool = False, main: bool = True):
+                 reduced: bool = False, main: bool = True, strategy: Any = None, ticked: Callable | None = None):
         super().__init__()
         self.forward_module = forward_module  # registered: train(), eval() and parameters() reach the model
         self.__dict__.update(_module=module, _autocast=(device_type, dtype), _reduced=reduced, _main=main,
-                             _marked=set(), _paused=0)  # not registered a second time
+                             _marked=set(), _paused=0, _strategy=strategy, _ticked=ticked)  # not registered twice
 
     @property
     def module(self) -> nn.Module:
@@ -48,6 +58,8 @@ class Prepared(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device_type, dtype = self._autocast
+        if self._reduced and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._arm()
         weight = uneven.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
         watch.forwarded()
         if self._reduced:  # 2+ processes: the first training forward compares its inputs (alike.py)
@@ -61,7 +73,9 @@ class Prepared(nn.Module):
         except (RuntimeError, ValueError) as error:  # said in one line, or under torch's message
             if isinstance(error, RuntimeError):  # an op with no deterministic version: one line
                 determinism.check(error)
-            watch.explain(error)  # a shape naming the global batch
+            if self._strategy is not None:  # ddp: a parameter that got no gradient in the last backward
+                self._strategy.explain(error, self.module)
+            watch.explain(error)  # a shape naming the global batch; an empty evaluation batch
             raise
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
             out = uneven.weigh(out, weight)
@@ -69,6 +83,18 @@ class Prepared(nn.Module):
                 self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
             self._watch_backward(out)
         return out
+
+    def _arm(self) -> None:
+        """Before a forward with gradients on, whose backward the wrapper reduces: the wrapper built anew where
+        what trains changed since it was built (ddp: a parameter frozen or unfrozen mid-run), and the replica
+        check told of a reduced forward (not one inside no_backward_sync)."""
+        if self._strategy is not None:
+            before = self._modules["forward_module"]  # (not through __getattr__: this runs every forward)
+            wrapper = self._strategy.refresh(before, self.__dict__["_module"])
+            if wrapper is not before:
+                self.forward_module = wrapper
+        if self._ticked is not None and not self._paused and self.__dict__.get(SYNC, True):
+            self._ticked()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         return self.module.state_dict(*args, **kwargs)
@@ -188,6 +214,41 @@ class Prepared(nn.Module):
         tensor.register_hook(check)
 
 
+class Container(Prepared):
+    """A set-up model whose class indexes (Sequential, ModuleList, ModuleDict, or one of the user's): model[0],
+    model["enc"], len, iteration and `in` read the user's model, and give the user's own sub-modules. Called
+    directly (model[0](x)), a sub-module runs outside the wrapper's forward: under ddp and fsdp its gradients are
+    not reduced between the processes (call it from forward, or under torch.no_grad()). An item set after setup
+    (model[3] = nn.Linear(...)) on 2+ processes is refused: its parameters would not be reduced."""
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.module[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._reduced and _holds_parameters(value):
+            raise UsageError(f"model[{key!r}] = {type(value).__name__}(...) after setup: its parameters would not be "
+                             f"in the gradient reduction between processes; add it to the model before mc.setup")
+        self.module[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        if self._reduced and _holds_parameters(self.module[key]):
+            raise UsageError(f"del model[{key!r}] after setup: the wrapper would still wait for its parameters' "
+                             f"gradients; remove it from the model before mc.setup")
+        del self.module[key]
+
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.module)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.module
+
+    def __bool__(self) -> bool:
+        return bool(self.module)
+
+
 _WARNED = False
 
 
@@ -203,10 +264,7 @@ def _holds_parameters(value: Any) -> bool:
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.requires_grad else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return next((t for t in map(_first_grad_tensor, items) if t is not None), None)
+    return next((t for t in values(obj) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 @contextlib.contextmanager

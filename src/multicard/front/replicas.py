@@ -3,22 +3,31 @@ are caught, whatever the cause (rank-dependent code, a state loaded on one rank,
 non-deterministic kernel, a bit-flip). Multicard holds one (mc._replicas); docs/your-loop.md says what it sees.
 
 Checked right after setup (fsdp: before it shards the model, as fully_shard, unlike DDP, copies no weights from
-rank 0), after mc.load, every `every` optimizer steps, and by hand (mc.check_replicas()). The steps counted are
-calls of step() on an optimizer that went through mc.setup / mc.setup_optimizers (an fp16 step the scaler
-skipped counts too: the count never depends on what a rank holds), else steps of any optimizer over a set-up
-model's parameters (a process-wide hook of torch). Between checks it costs a counter: no host sync.
+rank 0), after mc.load, every `every` steps, and by hand (mc.check_replicas()). The steps are told by the set-up
+models' forwards whose backward is reduced (every rank runs those alike, or ddp's reduction would not meet), so
+every rank takes each check at the same forward, whatever each rank counted; a loop with no such forward (one
+that bypasses the wrapper) is told by its optimizer steps. The optimizer steps counted (calls of step() on an
+optimizer set up through mc.setup / mc.setup_optimizers, an fp16 step the scaler skipped included, else steps of
+any optimizer over a set-up model's parameters: a process-wide hook of torch) name the check and must agree.
+Between checks it costs a counter: no host sync.
 
-What is compared, and its exact fingerprint: fingerprints.py. One max-reduce of [f, -f] gives every rank the max
-and the min, so every rank sees the same verdict and all stop together. Only a check that fails does more: it
-learns each rank's value and the largest difference, to say it in one line.
+Before its first collective, each check meets beside the job (the job's store: no collective): every rank says
+which check it is at and the optimizer steps it took. Ranks at different checks (mc.check_replicas() on rank 0
+alone meeting another rank's periodic check), or a rank that never comes (it went on into a collective of its
+own), end there in one line, never in a collective that mismatches (which gloo aborts). That, and what a check
+says where the processes differ: parted.py.
+
+What is compared, and its exact fingerprint (settings by value): fingerprints.py. One max-reduce of [f, -f]
+gives every rank the max and the min, so every rank sees the same verdict and all stop together. Only a check
+that fails does more: it learns each rank's value and the largest difference, to say it in one line.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import weakref
-import zlib
 from typing import Any
 
 import torch
@@ -28,8 +37,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..errors import UsageError
 from ..jobs.slots import watched
 from ..strategies import Strategy
-from .fingerprints import entries, fingerprints, shape
+from .fingerprints import entries, fingerprints, stable
 from .owners import outside
+from .parted import ReplicasParted, explain, meet, unlike
 
 MODES = ("stop", "warn", "off")
 EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
@@ -38,10 +48,7 @@ CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loa
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
           "kernel; to go on anyway: Multicard(replica_check='warn' or 'off'), multicard run/train --replica-check "
           "warn|off")
-
-
-class ReplicasParted(UsageError):
-    """The processes' replicas differ: one line naming when, what, the ranks and the largest difference."""
+_MADE = itertools.count()  # replica checks that met beside the job, in this process: each meets under its own key
 
 
 def settle(mode: str | None, every: int | None) -> tuple[str, int]:
@@ -78,6 +85,8 @@ class ReplicaCheck:
         self.params: set[int] = set()  # ids of the set-up models' parameters (to recognise other optimizers)
         self.others: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # other optimizer: over a set-up model?
         self.hook: Any = None
+        self.ticks, self.checked, self.since = 0, 0, False  # steps told (see above); the last checked; a reduced
+        self.key, self.meetings, self.told = "", 0, set()  # forward since the last optimizer step; where checks meet
 
     def __getstate__(self) -> dict:
         """A copy (the Multicard pickled into a DataLoader worker) is no process of the job: it compares nothing,
@@ -146,15 +155,28 @@ class ReplicaCheck:
         if self.others[optimizer]:
             self.stepped()
 
+    def forwarded(self) -> None:
+        """A set-up model's forward whose backward is reduced is about to run: every `every` of them, a check."""
+        self._due()
+        self.ticks, self.since = self.ticks + 1, True
+
     def stepped(self) -> None:
         self.steps += 1
-        if self.steps % self.every == 0 and not self.warned:
-            self.check(f"after optimizer step {self.steps}", first=False)
+        if self.since:  # told by the forward before it
+            self.since = False
+            return
+        self.ticks += 1  # no reduced forward since the last step: the step tells itself
+        self._due()
+
+    def _due(self) -> None:
+        if self.ticks % self.every == 0 and self.ticks != self.checked and self.active and not self.warned:
+            self.checked = self.ticks
+            self.check(f"after optimizer step {self.steps}", first=False, kind="periodic")
 
     def loaded(self, path: Any, state: dict | None) -> None:
         """After mc.load restored `state` (every process must call it then): a state loaded alike?"""
         if state is not None:
-            self.check(f"after mc.load({str(path)!r})")
+            self.check(f"after mc.load({str(path)!r})", kind="load")
 
     def close(self) -> None:
         """The process group goes down: nothing is compared any more."""
@@ -164,19 +186,24 @@ class ReplicaCheck:
         self.closed = True
 
     # -- comparing -------------------------------------------------------------------------------------------
-    def check(self, when: str, by_hand: bool = False, first: bool = True) -> bool:
+    def check(self, when: str, by_hand: bool = False, first: bool = True, kind: str = "setup") -> bool:
         """Compare the set-up models and optimizers now (every process must call it). True where all agree.
         `first`: agree on what is compared (names, shapes, dtypes) in a collective of its own, before the
-        fingerprints (whose collective needs the same length everywhere); the periodic checks skip it."""
+        fingerprints (whose collective needs the same length everywhere); the periodic checks skip it. `kind`
+        (setup, load, by hand, periodic) and the steps taken must be the same on every rank."""
         if not (self.active or by_hand and self.strategy.world > 1) or not (self.models or self.optimizers):
             return True
         return self.compare(when, self.models, params=not getattr(self.strategy, "sharded", False),
-                            optimizers=self.optimizers, first=first)
+                            optimizers=self.optimizers, first=first, kind="by hand" if by_hand else kind)
 
-    def compare(self, when: str, models: list, params: bool, optimizers: list, first: bool = True) -> bool:
+    def compare(self, when: str, models: list, params: bool, optimizers: list, first: bool = True,
+                kind: str = "setup") -> bool:
+        self.key, self.meetings = self.key or f"replicas/{next(_MADE)}", self.meetings + 1
+        meet(self.strategy, self.key, self.meetings, [kind, self.steps, when])
         found = entries(models, params, optimizers) + outside(optimizers)  # and their parameters outside the models
+        self._say_blind(found)
         with torch.no_grad(), watched():
-            line = self._unlike(when, found) if first else None
+            line = unlike(self.strategy, when, found) if first else None
             if line is None:
                 mine, owners = fingerprints(found, self.strategy.device)
                 both = self.strategy.all_reduce(torch.cat([mine, -mine]), "max")  # every rank: the max and -min
@@ -186,7 +213,8 @@ class ReplicaCheck:
                 more = len({owners[i] for i in differ}) - 1
                 also = f" (and {more} more tensor{'s' * (more > 1)} or setting{'s' * (more > 1)})" if more else ""
                 label, value = found[owners[differ[0]]]
-                line = f"{when}: the replicas parted: {self._explain(label, value, mine[differ[0]])}{also}; {CAUSES}"
+                line = f"{when}: the replicas parted: {explain(self.strategy, label, value, mine[differ[0]])}{also}; " \
+                       f"{CAUSES}"
         if self.mode == "warn":
             self.warned = True  # said once: they stay parted, and the automatic checks stop
             if self.strategy.is_main:
@@ -194,52 +222,18 @@ class ReplicaCheck:
             return False
         raise ReplicasParted(line)
 
-    def _unlike(self, when: str, found: list) -> str | None:
-        """None where every rank compares the same names, shapes and dtypes; else the line naming the first
-        that differs."""
-        layout = [(label, shape(value)) for label, value in found]
-        crc = zlib.crc32(repr(layout).encode())
-        seen = self.strategy.all_reduce(torch.tensor([crc, -crc], device=self.strategy.device), "max").tolist()
-        if seen == [crc, -crc]:
-            return None
-        everyone = self.strategy.gather(layout)
-        where = next((i for i, row in enumerate(zip(*everyone, strict=False)) if len(set(row)) > 1), None)
-        what = ", ".join(f"rank {r}: {len(part)} entries" if where is None else f"rank {r}: {' '.join(part[where])}"
-                         for r, part in enumerate(everyone))
-        return f"{when}: the processes' models or optimizers are not built alike ({what}); build them alike"
-
-    def _explain(self, label: str, value: Any, fingerprint: torch.Tensor) -> str:
-        """What differs, from collectives every rank takes alike: each rank's fingerprint of it, then each rank's
-        value of a setting, or a tensor's largest difference from rank 0's."""
-        world = self.strategy.world
-        values = self._each(fingerprint).tolist()
-        others = [r for r in range(1, world) if values[r] != values[0]]
-        if not isinstance(value, torch.Tensor):
-            shown = self.strategy.gather(repr(value))
-            return f"{label} is {', '.join(f'{shown[r]} on rank {r}' for r in [0, *others])}"
-        reference = value.detach().clone()
-        self.strategy.broadcast_tensor(reference, 0)
-        gap = (value.detach().double() - reference.double()).abs()
-        largest = self._each(gap.max() if gap.numel() else gap.new_zeros(())).tolist()
-        worst = max(others, key=lambda r: largest[r] if largest[r] == largest[r] else float("inf"))  # nan first
-        size = f"by up to {largest[worst]:.4g}" if largest[worst] else "in its bits only (-0.0 against 0.0, or NaNs)"
-        alike = len(others) > 1 and len({values[r] for r in others}) == 1  # then rank 0 may be the odd one out
-        on = f"rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}{' (alike)' * alike}"
-        size += f" (on rank {worst})" if len(others) > 1 and not alike else ""
-        agree = [r for r in range(1, world) if r not in others]
-        same = f"; rank{'s' * (len(agree) > 1)} {', '.join(map(str, agree))} agree{'s' * (len(agree) == 1)} with " \
-               f"rank 0" if agree else ""
-        buffer = " (a buffer: under ddp each forward copies rank 0's buffers to the others, so their own updates " \
-                 "are lost; reduce it over the processes, or update it alike on every rank)" \
-            if label.startswith("buffer") else ""
-        return f"{label} differs on {on} from rank 0's {size}{same}{buffer}"
-
-    def _each(self, value: torch.Tensor) -> torch.Tensor:
-        """Every rank's `value` (a number), in rank order, on every rank: one small sum-reduce."""
-        slots = torch.zeros(self.strategy.world, dtype=value.dtype, device=self.strategy.device)
-        slots[self.strategy.rank] = value
-        return self.strategy.all_reduce(slots, "sum").cpu()
-
+    def _say_blind(self, found: list) -> None:
+        """Once for each setting compared by type alone (fingerprints.stable: an object whose repr names its
+        address), a note on rank 0's stderr."""
+        for label, value in found:
+            blind: list[str] = []
+            if label in self.told or isinstance(value, torch.Tensor) or not stable(value, blind) or not blind:
+                continue
+            self.told.add(label)
+            if self.strategy.is_main:
+                print(f"multicard: note: the replica check compares {label} by the type of its "
+                      f"{', '.join(sorted(set(blind)))} alone: its repr names its address, which differs between "
+                      f"processes", file=sys.stderr, flush=True)
 
 class Replicas:
     """The method of Multicard (uses its _start() and _replicas)."""

@@ -251,14 +251,8 @@ def select(text: str) -> Devices:
 
 
 def to_device(batch, device):
-    """Move a tensor, or any tuple / list / dict of them, to `device` (a torch.device)."""
-    import torch  # on use: the CLI reads this module before torch is needed
+    """Move the tensors in `batch` (a tensor, or any structure of them: trees.py) to `device` (a torch.device),
+    the structure kept as its own type."""
+    from .trees import map_tensors  # on use: the CLI reads this module before torch is needed
 
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)

@@ -43,14 +43,19 @@ def tie_forks() -> None:
                             after_in_child=lambda: die_with(_forking[0]))
 
 
-def in_worker(init: Callable[[int], None] | None) -> Callable[[int], None]:
+def in_worker(init: Callable[[int], None] | None, deterministic: bool = False) -> Callable[[int], None]:
     """A DataLoader's worker_init_fn: the worker is first tied to this process (it dies with it, however it was
-    started: fork or spawn), then `init` (the user's own) runs."""
-    return functools.partial(_worker_started, os.getpid(), init)
+    started: fork or spawn), takes its deterministic algorithms where they are on (a spawned worker does not
+    inherit them), then `init` (the user's own) runs."""
+    return functools.partial(_worker_started, os.getpid(), init, deterministic)
 
 
-def _worker_started(parent: int, init: Callable[[int], None] | None, worker_id: int) -> None:
+def _worker_started(parent: int, init: Callable[[int], None] | None, deterministic: bool, worker_id: int) -> None:
     die_with(parent)
+    if deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True)
     if init is not None:
         init(worker_id)
 

@@ -12,7 +12,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import UsageError
 from . import closed
@@ -34,6 +34,7 @@ TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how
 
 _slot: memoryview | list[float] | None = None
 _hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
+_explainers: list[Callable[[BaseException], BaseException | None]] = []  # the upper layers' one-line readings
 
 
 def progress() -> None:
@@ -73,6 +74,35 @@ def failed(error: BaseException) -> None:
         progress_slot()[2] = LOST_PEER
 
 
+def explain_with(fn: Callable[[BaseException], BaseException | None]) -> None:
+    """fn(error): a UsageError saying in one line why `error` (torch's) ended the rank, or None. Tried on every
+    error that ends a rank of a job our launcher started (a script's, or fn's under launch)."""
+    if fn not in _explainers:
+        _explainers.append(fn)
+
+
+def explained(error: BaseException) -> BaseException:
+    """The one-line UsageError an explainer reads `error` as, or `error` itself."""
+    for fn in _explainers:
+        said = fn(error)
+        if said is not None:
+            return said
+    return error
+
+
+@contextlib.contextmanager
+def plainly() -> Iterator[None]:
+    """Around work whose error ends the caller (launch's fn in this process): an error an explainer reads is
+    raised as its one line instead."""
+    try:
+        yield
+    except Exception as error:
+        said = explained(error)
+        if said is error:
+            raise
+        raise said from None
+
+
 def lost_peer(error: BaseException) -> bool:
     return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
 
@@ -93,6 +123,7 @@ def hook_failures() -> None:
     _hooked, previous = True, sys.excepthook
 
     def hook(kind, error, trace):
+        error = explained(error)
         failed(error)
         if by_closed_stdout(error):
             closed.end_by_sigpipe()

@@ -74,6 +74,9 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
         _fail("usage", str(e))
     except Exception as e:
+        said = slots.explained(e)  # torch's error, read in one line where an upper layer knows it
+        if isinstance(said, UsageError):
+            _fail("usage", str(said))
         slots.failed(e)
         if slots.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
             closed.end_by_sigpipe()

@@ -20,6 +20,7 @@ from torch.nn.parallel import parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 
 from ..jobs.devices import to_device
+from ..jobs.trees import children, remake, values
 from .dp import DP
 
 
@@ -49,29 +50,22 @@ class PerCard(list):
 
 
 def rows(obj: Any) -> int:
-    """Samples in a batch: the length of its first tensor (tensors, tuples, lists and dicts of them)."""
-    if isinstance(obj, torch.Tensor):
-        return len(obj)
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
-        try:
-            return rows(item)
-        except ValueError:
-            continue
-    raise ValueError("dp-balanced splits batches of tensors along dim 0, and this batch holds no tensor")
+    """Samples in a batch: the length of its first tensor (in any structure: jobs/trees.py)."""
+    first = next((t for t in values(obj) if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        raise ValueError("dp-balanced splits batches of tensors along dim 0, and this batch holds no tensor")
+    return len(first)
 
 
 def split(obj: Any, sizes: Sequence[int]) -> list:
-    """Cut every tensor in `obj` along dim 0 into pieces of `sizes`; other values are shared by all pieces."""
+    """Cut every tensor in `obj` along dim 0 into pieces of `sizes`, each piece of `obj`'s structure and types;
+    other values are shared by all pieces."""
     if isinstance(obj, torch.Tensor):
         return list(obj.split(list(sizes)))
-    if isinstance(obj, dict) and obj:
-        pieces = zip(*(split(v, sizes) for v in obj.values()), strict=True)
-        return [dict(zip(obj, parts, strict=True)) for parts in pieces]
-    if isinstance(obj, (list, tuple)) and obj:
-        make = (lambda parts: type(obj)(*parts)) if hasattr(obj, "_fields") else type(obj)  # namedtuples too
-        return [make(parts) for parts in zip(*(split(v, sizes) for v in obj), strict=True)]
-    return [obj] * len(sizes)
+    found = children(obj)
+    if not found:
+        return [obj] * len(sizes)
+    return [remake(obj, list(parts)) for parts in zip(*(split(v, sizes) for v in found), strict=True)]
 
 
 def join(parts: Sequence, to: Callable, device: Any) -> Any:
@@ -80,12 +74,11 @@ def join(parts: Sequence, to: Callable, device: Any) -> Any:
     if isinstance(first, torch.Tensor):
         moved = [to(part, device) for part in parts]
         return torch.stack(moved) if first.dim() == 0 else torch.cat(moved)
-    if isinstance(first, dict):
-        return {k: join([part[k] for part in parts], to, device) for k in first}
-    if isinstance(first, (list, tuple)):
-        joined = [join(list(items), to, device) for items in zip(*parts, strict=True)]
-        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
-    return first
+    found = children(first)
+    if found is None:
+        return first
+    joined = zip(*(children(part) for part in parts), strict=True)
+    return remake(first, [join(list(items), to, device) for items in joined])
 
 
 class ParallelModel(nn.Module):

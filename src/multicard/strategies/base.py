@@ -123,5 +123,22 @@ class Strategy:
     def barrier(self) -> None:
         """Wait here for every process (one process: nothing to wait for)."""
 
+    def exchange(self, key: str, value: str, timeout_s: float) -> list[str | None]:
+        """Every process's `value`, posted under `key` beside the job (no collective: a process that is
+        elsewhere, in a collective or gone on, cannot mismatch one), in rank order; None for a process whose
+        value did not come within timeout_s."""
+        return [value]
+
+    def forget(self, key: str) -> None:
+        """This process's value under `key` is read by all: taken away."""
+
+    def refresh(self, wrapper: nn.Module, model: nn.Module) -> nn.Module:
+        """The wrapper to run the next forward: `wrapper`, or one built anew where it can no longer reduce what
+        trains (ddp: parameters frozen or unfrozen since it was built)."""
+        return wrapper
+
+    def explain(self, error: BaseException, model: nn.Module) -> None:
+        """Raise one line for an error of the wrapper's forward that this strategy can say plainly; else return."""
+
     def stop(self) -> None:
         """Always called, also after an error."""

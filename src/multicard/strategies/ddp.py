@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import sys
+import time
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ from ..jobs.devices import Devices, rehearsal
 from ..jobs.dist import Job
 from . import syncbn
 from .base import Strategy
+
+UNFINISHED = "Expected to have finished reduction in the prior iteration"  # DDP: a parameter got no gradient
 
 
 class DDP(Strategy):
@@ -63,8 +67,39 @@ class DDP(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.world == 1:
             return model
+        sparse = [name for name, b in model.named_buffers() if b.layout != torch.strided]
+        if sparse:  # DDP cannot broadcast them: each process keeps its own (the replica check compares them)
+            ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", [])
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*ignored, *sparse])
         ids = [self.device] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=self.find_unused_parameters)
+        wrapper = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=self.find_unused_parameters)
+        params = list(model.parameters())  # what trains is fixed in DDP's reducer: refresh() looks at it
+        wrapper.__dict__["_multicard_trains"] = (params, [p.requires_grad for p in params])
+        return wrapper
+
+    def refresh(self, wrapper: nn.Module, model: nn.Module) -> nn.Module:
+        """A parameter frozen (or unfrozen) since the wrapper was built: DDP's reducer would wait for its gradient
+        (or never reduce it), so a new wrapper is built at this forward (every rank freezes alike), as at setup.
+        Otherwise the same wrapper: a look at each parameter's requires_grad, no collective."""
+        params, trains = wrapper.__dict__.get("_multicard_trains", ((), []))
+        if [p.requires_grad for p in params] == trains:
+            return wrapper
+        wrapper._remove_autograd_hooks()  # the old reducer's hooks leave the parameters
+        return self.wrap_model(model)
+
+    def explain(self, error: BaseException, model: nn.Module) -> None:
+        """DDP's error at a forward after a backward that left some parameters without a gradient."""
+        if UNFINISHED not in str(error):
+            return
+        trains = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's indices, in its order
+        found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(error))
+        names = [trains[int(i)] for i in found[1].split() if int(i) < len(trains)] if found else []
+        listed = f"parameter{'s' * (len(names) > 1)} {', '.join(names[:4])}{' and more' * (len(names) > 4)}" \
+            if names else "some parameters"
+        raise UsageError(f"{listed} got no gradient in the last backward (a layer the forward did not use, or an "
+                         f"output the loss left out), and ddp waits for every trainable parameter's: pass "
+                         f"Multicard(find_unused_parameters=True) (multicard train --find-unused-parameters), or set "
+                         f"requires_grad=False on those that never train") from None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
@@ -100,6 +135,24 @@ class DDP(Strategy):
     def barrier(self) -> None:
         if self.world > 1:
             torch_dist.barrier(device_ids=self.cards or None)
+
+    def exchange(self, key: str, value: str, timeout_s: float) -> list[str | None]:
+        if self.world == 1:
+            return [value]
+        store = torch_dist.distributed_c10d._get_default_store()  # the job's, which the process group meets at
+        keys = [f"multicard/{key}/{rank}" for rank in range(self.world)]
+        store.set(keys[self.rank], value)
+        deadline, pause = time.monotonic() + timeout_s, 0.0005
+        while not store.check(keys):  # polled: a store's own wait that times out writes lines of its own
+            if time.monotonic() > deadline:
+                return [store.get(k).decode() if store.check([k]) else None for k in keys]
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return [v.decode() for v in store.multi_get(keys)]
+
+    def forget(self, key: str) -> None:
+        if self.world > 1:
+            torch_dist.distributed_c10d._get_default_store().delete_key(f"multicard/{key}/{self.rank}")
 
     def stop(self) -> None:
         gc.collect()  # DDP's reducer may sit in a reference cycle: free it while the group is still up
