@@ -9,6 +9,7 @@ import argparse
 import atexit
 import os
 import re
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from .errors import UsageError
+from .jobs import closed
 from .trainer.config import FLAG_GROUPS, REPLICA_CHECKS, STRATEGIES, TrainConfig
 
 
@@ -267,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"multicard: rank {e.rank} failed; its traceback:\n{e.trace.rstrip()}", file=sys.stderr)
         return 1
     except Stopped as e:  # SIGINT, SIGTERM or SIGHUP to this launcher: every process it started was stopped
-        print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
+        if e.signum != signal.SIGPIPE:  # or its stdout was closed (`| head`): nothing to say then
+            print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
         return 128 + e.signum
+    except BrokenPipeError:
+        if not closed.stdout_closed():
+            raise
+        return closed.SIGPIPE_EXIT
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
         return 130
@@ -286,6 +293,9 @@ def entry() -> None:
         code = 130
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
+    if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: end as SIGPIPE ends tools
+        atexit._run_exitfuncs()
+        closed.end_by_sigpipe()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

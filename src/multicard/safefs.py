@@ -114,16 +114,17 @@ def make_folder(path: Path, what: str) -> Path:
     return path
 
 
-def guard(info: os.stat_result, what: str, path: Path) -> None:
+def guard(info: os.stat_result, what: str, path: Path, way_out: str = "") -> None:
     """Refuse a folder in which another user could swap what multicard makes for a link elsewhere: one owned by
-    another user (root aside), or writable by group or others without the sticky bit (ssh's rule for a home)."""
+    another user (root aside), or writable by group or others without the sticky bit (ssh's rule for a home).
+    `way_out`: what the line adds as the last way out."""
     if info.st_uid not in (os.geteuid(), 0):
         raise UsageError(f"{what}: belongs to another user (uid {info.st_uid}), who could swap what multicard makes "
-                         f"there for a link elsewhere; use a folder of your own (or chown it to you)")
+                         f"there for a link elsewhere; use a folder of your own (or chown it to you){way_out}")
     if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
         raise UsageError(f"{what}: other users can write into it ({stat.filemode(info.st_mode)}) and could swap "
                          f"what multicard makes there for a link elsewhere; run `chmod go-w {path}` or choose "
-                         f"another folder")
+                         f"another folder{way_out}")
 
 
 class Made(NamedTuple):

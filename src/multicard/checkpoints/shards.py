@@ -21,6 +21,7 @@ import io
 import pickle
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from torch import nn
 from .. import safefs
 from ..errors import UsageError
 from .plain import FULL
-from .sums import DCP_FILE
+from .sums import DCP_FILE, said
 
 # largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each: a base, and this much per
 # tensor of the state for each process that wrote a part (each writes one __<rank>_0.distcp)
@@ -155,10 +156,11 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap,
     models = {k: unwrap(m) for k, m in models.items()}
     target = sharded_state(models, optimizers)
     most = METADATA_BASE + METADATA_PER_CHUNK * tensors(target) * plain_files(where)
-    metadata(where, limit=most)  # refused here, on every rank, before DCP reads anything
+    crc = info["sums"].get(".metadata") if isinstance(info.get("sums"), dict) else None  # None: saved before sums
+    metadata(where, limit=most, crc=crc)  # refused here, on every rank, before DCP reads anything
     sound(where)
     try:
-        dcp.load(target, storage_reader=reader(where, most), planner=planner())
+        dcp.load(target, storage_reader=reader(where, most, crc), planner=planner())
     except UsageError:
         raise
     except BaseException as e:  # a missing or damaged folder, or shards of another model (DCP's
@@ -245,14 +247,17 @@ def tensors(state: Any) -> int:
     return int(isinstance(state, torch.Tensor))
 
 
-def metadata(where: Path, name: str = ".metadata", limit: int = METADATA_BASE):
+def metadata(where: Path, name: str = ".metadata", limit: int = METADATA_BASE, crc: Any = None):
     """The shards folder's DCP metadata, read with the restricted unpickler; anything else is one line. `limit`:
-    the most bytes a model's metadata can take (more is not DCP's, and is not read)."""
+    the most bytes a model's metadata can take (more is not DCP's, and is not read). `crc`: the CRC-32 its save
+    recorded of .metadata: bytes that differ are damage, said so, before anything is unpickled."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     if safefs.kind(where / name) is None:
         raise UsageError(f"shards folder {where}: no {name}")
     raw = safefs.read_bytes(where / name, limit, f"shards folder {where}: {name}")  # no FIFO, link, or 10 GB
+    if type(crc) is int and name == ".metadata" and zlib.crc32(raw) != crc:
+        raise UsageError(said(f"shards folder {where}", f"its {name} fails its CRC-32"))
     try:
         found = Restricted(io.BytesIO(raw)).load()
     except Exception as e:  # pickle raises many kinds for a damaged or foreign file
@@ -263,14 +268,14 @@ def metadata(where: Path, name: str = ".metadata", limit: int = METADATA_BASE):
     return found
 
 
-def reader(where: Path, limit: int = METADATA_BASE):
+def reader(where: Path, limit: int = METADATA_BASE, crc: Any = None):
     """DCP's file reader, reading its metadata through `metadata` (so what DCP uses is what was checked)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name, limit)
+            found = metadata(where, Path(self._get_metadata_path(kwargs.get("rank"))).name, limit, crc)
             if getattr(found, "storage_meta", None) is None:
                 found.storage_meta = StorageMeta()
             found.storage_meta.load_id = self.load_id

@@ -88,6 +88,15 @@ class ReplicaCheck:
         self.ticks, self.checked, self.since = 0, 0, False  # steps told (see above); the last checked; a reduced
         self.key, self.meetings, self.told = "", 0, set()  # forward since the last optimizer step; where checks meet
 
+    def __getstate__(self) -> dict:
+        """A copy (the Multicard pickled into a DataLoader worker) is no process of the job: it compares nothing,
+        and carries neither the models nor the hook."""
+        return {**self.__dict__, "models": [], "optimizers": [], "params": set(), "others": None, "hook": None,
+                "closed": True}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, others=weakref.WeakKeyDictionary())
+
     @property
     def active(self) -> bool:
         return self.mode != "off" and self.strategy.world > 1 and not self.closed

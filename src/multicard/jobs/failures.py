@@ -4,7 +4,10 @@ it) and Stopped (a signal to the launcher stopped the job). In a notebook each s
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
+import sys
 
 
 class RankFailed(Exception):
@@ -44,3 +47,30 @@ class Stopped(BaseException):
     def _render_traceback_(self) -> list[str]:
         """What IPython shows for a kernel interrupt (the stop button) during a launch: one line."""
         return [f"Stopped: stopped by {self}; every rank was stopped"]
+
+
+def uncaught_ends_as_signal() -> None:
+    """From now on, a Stopped that reaches the top of the program uncaught (a script that calls launch or train)
+    ends it as the signal would have: one line instead of a traceback, the exit handlers run, then the signal's
+    own exit status (a shell shows 128+N), as Python ends on a Ctrl-C. Anything else goes to the hook before."""
+    previous = sys.excepthook
+    if getattr(previous, "ends_as_signal", False):
+        return
+
+    def hook(kind: type, error: BaseException, trace: object) -> None:
+        if not isinstance(error, Stopped):
+            previous(kind, error, trace)
+            return
+        if error.signum != signal.SIGPIPE:  # a closed stdout (`| head`) ends a program without a word
+            print(f"multicard: stopped by {error}; every rank was stopped", file=sys.stderr, flush=True)
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a stream closed or gone: nothing left to show
+                pass
+        signal.signal(error.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), error.signum)
+
+    hook.ends_as_signal = True
+    sys.excepthook = hook

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import jobdir, lifeline, shipping, slots, spawned, streams
+from . import closed, failures, jobdir, lifeline, shipping, slots, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
@@ -83,9 +83,11 @@ class Signals:
                     self.previous[s] = signal.signal(s, handler)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
+        if isinstance(error, Stopped):  # a script that lets it reach its top level ends as the signal would end it
+            failures.uncaught_ends_as_signal()
 
     def _stop(self, signum: int, frame: Any) -> None:
         if not self.held:
@@ -136,7 +138,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
     relay = streams.Relay(context)
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
-            work = shipping.pack((fn, args), named)  # opened in each process as spawned.body says (once started)
+            # fn and its arguments go through a file, not the pipe multiprocessing starts a process with: a rank that
+            # ends before it reads them (a script without the __main__ guard) would leave this process blocked for
+            # ever writing more than the pipe holds, deaf to every signal
+            with open(os.path.join(folder, spawned.WORK), "wb") as f:
+                f.write(shipping.pack((fn, args), named))  # opened in each process as spawned.body says
             # every process started is known before a signal is acted on
             with signals.holding(), shipping.main_left_out():
                 _tracker()
@@ -146,7 +152,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
                         ends = relay.ends()
                         env = job_env(rank, nprocs, server.port, folder)
                         process = context.Process(target=spawned.body, name=f"multicard rank {rank}",
-                                                  args=(rank, work, folder, os.getpid(), env, ends))
+                                                  args=(rank, folder, os.getpid(), env, ends))
                         process.start()
                         processes.append(process)
                         signals.ranks.append(process.pid)
@@ -191,6 +197,8 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
         return RankFailed(rank, text, meant=True)
     if not kind and processes[rank].exitcode == spawned.UNGUARDED:
         return UsageError(spawned.unguarded())
+    if closed.by_pipe(processes[rank].exitcode) and closed.stdout_closed():  # `| head` read what it wanted
+        return Stopped(signal.SIGPIPE)
     blamed = parted(rank, {r: p.exitcode for r, p in enumerate(processes)}, folder) or \
         blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder, len(processes))
     if blamed:
@@ -233,6 +241,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             if failed is None:
                 return 0
             rank, code = failed
+            if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: nothing to say
+                return closed.SIGPIPE_EXIT
             kind, text = told(folder, rank)
             if kind == "usage":  # the same bad input on every rank: said once
                 print(f"multicard: error: {text}", file=sys.stderr)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from ..errors import UsageError
+from . import closed
 from .lifeline import inherited
 
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
@@ -106,6 +107,12 @@ def lost_peer(error: BaseException) -> bool:
     return bool(LOST.search(str(error))) and not TIMED_OUT.search(str(error))
 
 
+def by_closed_stdout(error: BaseException) -> bool:
+    """Whether a rank ending with `error` ends because its stdout was closed (`| head`): a BrokenPipeError of its
+    own print, or another rank lost (which ended so), while stdout is a pipe nobody reads."""
+    return (isinstance(error, BrokenPipeError) or lost_peer(error)) and closed.stdout_closed()
+
+
 def hook_failures() -> None:
     """In a rank of a job our launcher started, an error that ends it is told to the launcher, which says once
     what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
@@ -118,6 +125,8 @@ def hook_failures() -> None:
     def hook(kind, error, trace):
         error = explained(error)
         failed(error)
+        if by_closed_stdout(error):
+            closed.end_by_sigpipe()
         if isinstance(error, UsageError):
             tell_launcher("usage", str(error))
         elif lost_peer(error):

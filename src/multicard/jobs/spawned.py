@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline, shipping, slots, streams
+from . import closed, lifeline, shipping, slots, streams
 from .dist import listed
 from .failures import Stopped
 
 UNGUARDED = 86  # how a rank ends that met the launch again as it started (spawn runs the script's top level)
+WORK = "work"  # the file in the job's folder holding fn and its arguments, pickled
 THREADS_S = 120.0  # how long threads fn left running may take to end, where the job set no timeout
 
 
@@ -46,9 +47,9 @@ def unguarded() -> str:
             f"put that call under `if __name__ == \"__main__\":`")
 
 
-def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str], ends: list = ()) -> None:
-    """fn(*args) (pickled in `work`) as rank `rank`; `env`: the job's variables; `ends`: the pipes its stdout and
-    stderr go to, where the launcher shows them itself (a notebook)."""
+def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list = ()) -> None:
+    """fn(*args) (pickled in the job's `folder`, file WORK) as rank `rank`; `env`: the job's variables; `ends`: the
+    pipes its stdout and stderr go to, where the launcher shows them itself (a notebook)."""
     lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
     os.setsid()  # a session of its own, as run's ranks have: see launcher.py
     streams.take(ends)
@@ -58,7 +59,8 @@ def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str]
             if signal.getsignal(s) is not signal.SIG_IGN:
                 signal.signal(s, _raise_stopped)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C held since the start arrives now
-        fn, args = _unpickled(work, rank)
+        with open(os.path.join(folder, WORK), "rb") as f:
+            fn, args = _unpickled(f.read(), rank)
         shipping.workers_by_fork()
         out = fn(*args)
         if _signalled:  # raised where Python swallows exceptions (a __del__, a callback): the job still fails
@@ -76,6 +78,8 @@ def body(rank: int, work: bytes, folder: str, launcher: int, env: dict[str, str]
         if isinstance(said, UsageError):
             _fail("usage", str(said))
         slots.failed(e)
+        if slots.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
+            closed.end_by_sigpipe()
         _fail("trace", traceback.format_exc())
     _watch_threads(rank)
 

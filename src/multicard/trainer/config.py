@@ -43,7 +43,7 @@ FLAG_GROUPS = {
         "replica_check", "replica_check_every"),
     "checkpoints: saving, resuming, restarting": ("save_every", "save_every_steps", "keep_checkpoints", "resume",
                                                   "max_restarts"),
-    "output: what it shows and writes": ("quiet", "out", "tensorboard", "progress_every"),
+    "output: what it shows and writes": ("quiet", "out", "trust_dir", "tensorboard", "progress_every"),
 }
 
 
@@ -161,6 +161,11 @@ class TrainConfig:
     quiet: bool = opt(False, "no progress bar, no per-epoch lines, no list of the files written")
     # a rerun with the same --out replaces that run's files
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json, curves.png and model.pt")
+    # like git's safe.directory: --out, its checkpoints and the folders above --out must otherwise be yours (or
+    # root's) and not writable by others, or someone could swap them for a link (trainer/trust.py)
+    trust_dir: str = opt("", "a folder to write in although another user owns it or may write into it (a "
+                         "shared project folder, a container's bind mount): it, the folders in it and above it; "
+                         "several separated by ':'; also MULTICARD_TRUST_DIR")
     # rank 0 writes event files into the run's folder: --out/tensorboard once the run has ended well
     tensorboard: bool = opt(False, "write TensorBoard event files into --out/tensorboard (per-step loss and lr, "
                             "per-epoch metrics; pip install 'multicard[tensorboard]')")

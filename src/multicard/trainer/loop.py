@@ -54,15 +54,16 @@ def evaluate(mc: Multicard, model: nn.Module, stats: Callable, loader) -> dict[s
 def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, criterion: Callable,
         stats: Callable, train_loader, test_loader, config: TrainConfig, per_step: bool = True,
         on_epoch: Callable[[list[dict]], None] | None = None, resume: Path | None = None,
-        held: dict | None = None) -> list[dict]:
+        held: dict | None = None, out: str | Path | None = None) -> list[dict]:
     """Train the set-up `model` for config.epochs; return one record per epoch. `criterion` and `stats` (the
     loss and the metric, stacked) are set up with mc; the loaders too (the training one with config.accumulate
     micro-batches per step). The scheduler steps after every optimizer step (`per_step`) or every epoch.
     on_epoch(history) after each epoch. `held`, if given, receives the bytes this process holds of the
     parameters, their gradients and the optimizer's state, measured at the first optimizer step (fsdp: shards).
 
-    Checkpoints go to config.out/checkpoints every config.save_every epochs and config.save_every_steps optimizer
-    steps; `resume` (a checkpoint's state.pt) continues from one exactly where it was taken.
+    Checkpoints go to config.out/checkpoints (`out`: --out as rank 0 holds it open) every config.save_every epochs
+    and config.save_every_steps optimizer steps; `resume` (a checkpoint's state.pt) continues from one exactly
+    where it was taken.
 
     What it logs goes through mc.log (rank 0's loggers, e.g. TensorBoard): the mean training loss and the rate
     every few optimizer steps, and each epoch's record at the optimizer step it ended on. Each record holds
@@ -95,7 +96,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
                     "config": asdict(config)}
-        saves.write(mc, config.out, steps, {**objects, **progress}, config.keep_checkpoints)
+        saves.write(mc, out or config.out, steps, {**objects, **progress}, config.keep_checkpoints, config.trust_dir)
         saved[0] = steps
 
     for epoch in range(train_loader.epoch, config.epochs):

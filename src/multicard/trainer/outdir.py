@@ -1,5 +1,7 @@
 """--out as one run holds it: a lock, a fresh folder per attempt, one rename that shows a run's files all at once,
-and deleting only what multicard can prove it made there."""
+and deleting only what multicard can prove it made there. --out is opened once and checked (trust.py); every later
+read, write, rename and deletion goes through that open folder (`root`, /proc/self/fd/N on Linux), never again
+through its path: renamed away and replaced by a link mid-run, it redirects nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from .. import safefs
 from ..errors import UsageError
+from . import trust
 from .report import say
 
 FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run
@@ -29,9 +32,9 @@ class Output:
     together, and a run that fails or is stopped changes nothing. Leftovers of a killed run (its folder,
     half-made links, half-written checkpoints) go when the next run starts its first attempt, and only those
     that carry multicard's marker; a name there that multicard did not make refuses the run before anything in
-    --out is touched."""
+    --out is touched. `trusted`: --trust-dir's folders (trust.py)."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, trusted: str = ""):
         if not out:
             raise UsageError("--out '': name a folder (it is created if missing)")
         self.path = path = Path(out)
@@ -40,21 +43,24 @@ class Output:
             raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
         if path.resolve().parts[:2] in (("/", "proc"), ("/", "sys"), ("/", "dev")):
             raise UsageError(f"--out {out}: is inside {path.resolve().parts[1]}/, no place for files; name a folder")
+        self.trusted = trust.trusted(trusted)
+        trust.check_above(path, self.trusted)
         try:
             path.mkdir(safefs.FOLDER_MODE, parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--out {out}: cannot create that folder ({e.strerror})") from None
         if not os.access(path, os.W_OK | os.X_OK):
             raise UsageError(f"--out {out}: this user cannot write into that folder")
-        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.folder = safefs.Folder(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path)
+        self.fd, self.root = self.folder.fd, self.folder.via
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(self.fd)
+            self.folder.close()
             raise UsageError(f"--out {out}: another run is writing there; wait for it to end, or choose another "
                              f"--out") from None
         try:
-            safefs.guard(os.fstat(self.fd), f"--out {out}", path)
+            trust.check_out(self.fd, path, self.trusted)
             self.check()
         except BaseException:
             self.close()
@@ -64,47 +70,48 @@ class Output:
         """Refuse an --out where multicard would replace or write through what it did not make: a shown name
         that is not its link into .current, a .current that is not its link to a run, a checkpoints link."""
         for name in (*FILES, *OPTIONAL):
-            place = self.path / name
+            place = self.root / name
             if (place.exists() or place.is_symlink()) and not ours(place, f"{CURRENT}/{name}"):
                 raise UsageError(f"--out {self.path}: {name} there is not multicard's (not its link into {CURRENT}); "
                                  f"move it elsewhere or choose another --out (nothing was changed)")
-        current = self.path / CURRENT
+        current = self.root / CURRENT
         if (current.exists() or current.is_symlink()) and not ours(current):
             raise UsageError(f"--out {self.path}: {CURRENT} there is not multicard's link to a run folder; move it "
                              f"elsewhere or choose another --out (nothing was changed)")
-        checkpoints = self.path / "checkpoints"
+        checkpoints = self.root / "checkpoints"
         if checkpoints.is_symlink() or (checkpoints.exists() and not checkpoints.is_dir()):
             raise UsageError(f"--out {self.path}: checkpoints there is a link or a file; multicard writes its "
                              f"checkpoints only into a folder of its own: move it elsewhere (nothing was changed)")
         if checkpoints.exists():
-            safefs.guard(os.lstat(checkpoints), f"--out {self.path}: checkpoints", checkpoints)
+            with safefs.Folder.open(checkpoints) as held:
+                trust.check_folder(held.fd, f"--out {self.path}: checkpoints", checkpoints, self.trusted)
 
     def runs(self) -> list[Path]:
         """Run folders multicard made here (its marker inside; never through a link)."""
-        return [p for p in self.path.glob(".run-*") if marked(p)]
+        return [p for p in self.root.glob(".run-*") if marked(p)]
 
     def clean(self) -> None:
         """Remove what killed runs left, and only that: run folders never switched to (marked), half-made links
         (named and aimed as multicard makes them), half-written checkpoints (marked). Anything else named like
         them is left, with a line."""
-        current = os.readlink(self.path / CURRENT) if (self.path / CURRENT).is_symlink() else None
+        current = os.readlink(self.root / CURRENT) if (self.root / CURRENT).is_symlink() else None
         for run in self.runs():
             if run.name != current:
                 remove(run)
-        for part in self.path.glob("*.part"):
+        for part in self.root.glob("*.part"):
             named = LINK_PART.fullmatch(part.name)
             if named and (ours(part) or ours(part, f"{CURRENT}/{named.group(1)}")):
                 part.unlink()
             else:
-                say(f"left alone: {part} (not a leftover multicard can prove it made)")
-        checkpoints = self.path / "checkpoints"
+                say(f"left alone: {safefs.shown(part)} (not a leftover multicard can prove it made)")
+        checkpoints = self.root / "checkpoints"
         for part in checkpoints.glob("*.part") if checkpoints.is_dir() and not checkpoints.is_symlink() else ():
             if marked(part):
                 remove(part)
             elif safefs.is_temporary(part.name, "run.json") and safefs.kind(part) == "file":  # half-written
                 part.unlink()
             elif not drop_half_marked(part):
-                say(f"left alone: {part} (not a leftover multicard can prove it made)")
+                say(f"left alone: {safefs.shown(part)} (not a leftover multicard can prove it made)")
         self.cleaned = True
 
     def new_run(self) -> safefs.Made:
@@ -126,7 +133,7 @@ class Output:
             held.close()
 
     def discard(self, run: safefs.Made) -> None:
-        remove(run.path)
+        remove(self.root / run.path.name)
 
     def publish(self, made: safefs.Made) -> None:
         """Make `run` the one --out shows. Every check and every link first (a link into .current, for a first
@@ -141,36 +148,40 @@ class Output:
         if info is None or (info.st_dev, info.st_ino) != (made.dev, made.ino):
             raise UsageError(f"run folder {run}: was replaced while the run wrote into it (by a user who can write "
                              f"into --out?); --out {self.path} left as it was")
-        missing = [name for name in FILES if not (run / name).is_file()]
+        missing = [name for name in FILES if not (self.root / run.name / name).is_file()]
         if missing:
             raise UsageError(f"run folder {run}: has no {missing[0]}; --out {self.path} left as it was")
         self.check()
-        shown = [*FILES, *(name for name in OPTIONAL if (run / name).is_dir())]
+        shown = [*FILES, *(name for name in OPTIONAL if (self.root / run.name / name).is_dir())]
         try:
             for name in shown:
-                if not (self.path / name).is_symlink():
-                    link(self.path / name, f"{CURRENT}/{name}")
-            link(self.path / CURRENT, run.name)  # the switch
+                if not (self.root / name).is_symlink():
+                    link(self.root / name, f"{CURRENT}/{name}")
+            link(self.root / CURRENT, run.name)  # the switch
         except OSError as e:
             raise UsageError(f"--out {self.path}: cannot write there ({e.strerror}); it still shows the run before "
                              f"(free space, then run again)") from None
         for name in OPTIONAL:
-            if name not in shown and (self.path / name).is_symlink():  # checked above: our link, now dangling
-                (self.path / name).unlink()
+            if name not in shown and (self.root / name).is_symlink():  # checked above: our link, now dangling
+                (self.root / name).unlink()
         for old in self.runs():
             if old.name != run.name:
                 remove(old)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # the lock goes with it
-            self.fd = None
+        self.folder.close()  # the lock goes with it
 
     def __enter__(self) -> Output:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def held_out(run: safefs.Folder, out: str) -> safefs.Folder:
+    """--out as a rank finds it from its run folder, held open: the folder that run folder was made in, wherever
+    it is now (`..` of the folder held, never --out's path: renamed away and replaced, the path leads elsewhere)."""
+    return safefs.Folder(os.open(run.via / "..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), Path(out))
 
 
 def marked(folder: Path) -> bool:

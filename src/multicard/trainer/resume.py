@@ -76,7 +76,7 @@ def read_owner(out: str | Path) -> tuple[dict | None, str | None]:
     path = Path(out) / FOLDER / OWNER
     if safefs.kind(path) is None:
         return None, None
-    raw = safefs.read_bytes(path, safefs.SMALL, f"--out {out}: {FOLDER}/{OWNER}")
+    raw = safefs.read_bytes(path, safefs.SMALL, f"--out {safefs.shown(out)}: {FOLDER}/{OWNER}")
     try:
         found = json.loads(raw)
     except ValueError:
@@ -103,20 +103,22 @@ def newest(out: str | Path, outside: bool = True, skipped: list[str] | None = No
         if start is None and not found:
             if not outside:
                 return None
-            raise UsageError(f"--resume auto: the run in {Path(out) / FOLDER} started from {started[:300]!r}, "
-                             f"which is not a checkpoint in --out, and wrote none of its own: to go on from there, "
-                             f"give it as --resume; to start over, leave --resume out")
+            raise UsageError(f"--resume auto: the run in {safefs.shown(Path(out) / FOLDER)} started from "
+                             f"{started[:300]!r}, which is not a checkpoint in --out, and wrote none of its own: to go "
+                             f"on from there, give it as --resume; to start over, leave --resume out")
         found += [start] if start is not None else []
     damaged = []
     for checkpoint in found:
-        why = damage(checkpoint)
+        why = (f"is damaged ({wrong})" if (wrong := damage(checkpoint)) else
+               f"is unreadable ({wrong})" if (wrong := unreadable(checkpoint)) else None)
         if why is None:
             (skipped if skipped is not None else []).extend(damaged)
             return checkpoint
-        damaged.append(f"{checkpoint.parent.name} is damaged ({why})")
+        damaged.append(f"{checkpoint.parent.name} {why}")
     if damaged:
-        raise UsageError(f"--resume auto: every checkpoint it could go on from in {Path(out) / FOLDER} is damaged "
-                         f"({damaged[0]}); give an earlier run's checkpoint as --resume, or start over without it")
+        raise UsageError(f"--resume auto: every checkpoint it could go on from in {safefs.shown(Path(out) / FOLDER)} "
+                         f"is damaged ({damaged[0]}); give an earlier run's checkpoint as --resume, or start over "
+                         f"without it")
     return None
 
 
@@ -137,7 +139,7 @@ def _identity(path: Path) -> tuple[int, ...]:
 def _damage(path: Path, *identity: int | tuple) -> str | None:
     found = sums.damage(path)
     if found:
-        return f"its state.pt: {found}"
+        return f"its {path.name}: {found}"
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         held = raw[OWN]["shards"]
@@ -146,6 +148,21 @@ def _damage(path: Path, *identity: int | tuple) -> str | None:
         return None
     found = sums.files_damage(where, held.get("sums"))
     return f"its shards: {found}" if found else None
+
+
+def unreadable(path: Path) -> str | None:
+    """Why torch cannot read checkpoint `path` (a state.pt), a zip as torch.save writes it, at all: cut short (its
+    zip directory gone). None where it can, or where it is no zip (head() says what it is then). --resume auto
+    passes it over, as a damaged one."""
+    with open(path, "rb") as f:
+        if f.read(len(sums.ZIP)) != sums.ZIP:
+            return None
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many kinds for a file cut short or foreign
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        return f"its {path.name}: {said[:120]}"
+    return None
 
 
 def inside(out: str | Path) -> list[Path]:
@@ -158,7 +175,9 @@ def inside(out: str | Path) -> list[Path]:
 
 
 def same(a: Path | None, b: Path | None) -> bool:
-    return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
+    """Whether two paths name one checkpoint, either reached through --out held open (safefs.shown)."""
+    return a is not None and b is not None and \
+        os.path.abspath(safefs.shown(a)) == os.path.abspath(safefs.shown(b))
 
 def resolve(spec: str, out: str | Path, outside: bool = True, skipped: list[str] | None = None) -> Path | None:
     """--resume: "" (none), auto (what newest() says of --out, or none), or a checkpoint's folder or state.pt

@@ -26,12 +26,12 @@ from ..errors import UsageError
 from ..front.loggers import TensorBoardLogger
 from ..front.memory import MB
 from ..front.multicard import Multicard
-from ..jobs import lifeline
+from ..jobs import lifeline, spawned
 from ..jobs.failures import RankFailed, said
 from .config import TrainConfig, idle
 from .loop import accuracy, fit
 from .observe import straggler
-from .outdir import FILES, OPTIONAL, Output
+from .outdir import FILES, OPTIONAL, Output, held_out
 from .recipe import make_optimizer, make_scheduler
 from .report import Report, say
 from .saves import claim
@@ -53,6 +53,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     functions picklable (module-level functions, functools.partial). A name (optimizer="sgd",
     scheduler="cosine") sets the config's field instead. Returns the summary.
     """
+    spawned.end_if_started_again()  # a script without the guard, run again as a rank starts: the launcher says so
     for name, value in (("optimizer", optimizer), ("scheduler", scheduler)):
         if isinstance(value, str):
             overrides[name] = value
@@ -90,10 +91,10 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
     args = (model, train_data, test_data, criterion or nn.CrossEntropyLoss(), metric)
     # rank 0 holds --out (a lock) for the whole run, restarts included; the other ranks of a launched job write
     # only their parts of checkpoints
-    with Output(config.out) if mc.job.rank == 0 else contextlib.nullcontext() as output:
+    with Output(config.out, config.trust_dir) if mc.job.rank == 0 else contextlib.nullcontext() as output:
         summary = attempts(mc, output, args, start, recipe)
-    if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
-        checkpoint.load(model, Path(config.out) / "model.pt")  # up trained too, as with one process
+        if mc.world_size > 1 and not mc.job.launched:  # spawned processes trained copies: the caller's model ends
+            checkpoint.load(model, output.root / "model.pt")  # up trained too, as with one process
     return summary
 
 
@@ -109,7 +110,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
         run = output.new_run() if output is not None else None
         try:
             if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
-                claim(config.out, start.checkpoint)
+                claim(output.root, start.checkpoint)
             summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
         except RankFailed as e:
             output.discard(run)
@@ -121,7 +122,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
                 trace = f"{e.trace.rstrip()} ({spent})" if said(e.rank, e.trace) else \
                     f"{e.trace.rstrip()}\nmulticard: rank {e.rank} failed ({spent})"
                 raise RankFailed(e.rank, trace) from None
-            restarts, start = restarts + 1, restart(start)
+            restarts, start = restarts + 1, restart(start, output.root)
             say(f"rank {e.rank} failed; restart {restarts} of {config.max_restarts}, from the newest checkpoint")
             output.clean()  # what the failed attempt left half-written
             continue
@@ -133,7 +134,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
             lifeline.end_if_orphaned(mc.job.rank)  # a rank whose launcher is gone never publishes
             output.publish(run)
             if not config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
-                shown = [*FILES, *(name for name in OPTIONAL if (output.path / name).exists())]
+                shown = [*FILES, *(name for name in OPTIONAL if (output.root / name).exists())]
                 say(f"wrote {', '.join(str(output.path / name) for name in shown)}")
         return summary
 
@@ -142,10 +143,11 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
            metric: Callable, config: TrainConfig, recipe: tuple = (None, None, "epoch"), run: safefs.Made | None = None,
            resume: Path | None = None, restarts: int = 0) -> dict:
     """The body of every training process: the recipe (the seeds' Adam and StepLR by default) on the user's
-    model and data. Rank 0 writes the run's files into `run`, its folder; `resume` names a checkpoint to go on
-    from."""
+    model and data. Rank 0 writes the run's files into `run`, its folder, and its checkpoints into the --out that
+    folder lies in (never found again by its path); `resume` names a checkpoint to go on from."""
     begin = time.perf_counter()
     folder = safefs.Folder.again(run, f"run folder {run.path}") if run is not None and mc.is_main else None
+    out = held_out(folder, config.out) if folder is not None else None
     run = folder.via if folder is not None else None  # written through the folder made, never again by its name
     given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: dropout differs
@@ -187,7 +189,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     per_step = given_scheduler is None or every == "step"
     held: dict[str, int] = {}
     history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
-                  report.epoch, resume, held)
+                  report.epoch, resume, held, out.via if out is not None else None)
     summary = summarize(mc, model, history, config, train_loader.local_batch_size, time.perf_counter() - begin)
     # what this process held at the first step: under fsdp its shards, elsewhere the whole model
     summary.update(model=name, restarts=restarts, resumed_from=str(resume) if resume else None,

@@ -1,6 +1,7 @@
 """Writing a run's checkpoints in --out/checkpoints: claiming the folder for a run (the earlier runs' checkpoints
 moved aside, nothing deleted), writing each checkpoint whole, and pruning this run's oldest. The layout and the
-ownership rules are in resume.py's docstring; reading is there too.
+ownership rules are in resume.py's docstring; reading is there too. `out` is --out as the process holds it open
+(outdir.py: /proc/self/fd/N), so every path here is reached through it; lines name it by its own path (shown).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from .. import safefs
 from ..errors import UsageError
 from ..front.multicard import Multicard
+from ..safefs import shown
+from . import trust
 from .outdir import MARK, drop_half_marked
 from .report import say
 from .resume import FOLDER, OWNER, newest, owner, read_owner, run_of, same, whole
@@ -35,7 +38,7 @@ def claim(out: str | Path, resumed: Path | None) -> str:
     try:
         return claimed(out, resumed)
     except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
-        raise UsageError(f"--out {out}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
+        raise UsageError(f"--out {shown(out)}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
                          f"choose another --out") from None
 
 
@@ -43,8 +46,8 @@ def claimed(out: str | Path, resumed: Path | None) -> str:
     own, wrong = read_owner(out)
     folder = Path(out) / FOLDER
     if wrong:
-        say(f"{folder / OWNER} {wrong}: ignored (it names no run that owns the checkpoints there); this run claims "
-            f"them anew")
+        say(f"{shown(folder / OWNER)} {wrong}: ignored (it names no run that owns the checkpoints there); this run "
+            f"claims them anew")
     keep = [resumed.parent] if resumed is not None else []
     if own is not None and resumed is not None and same(resumed, newest(out, outside=False)):
         run = own["run"]
@@ -54,15 +57,15 @@ def claimed(out: str | Path, resumed: Path | None) -> str:
         if resumed is None and safefs.kind(folder) is None:  # nothing to claim yet: the first checkpoint claims it
             return run
         places(out, run, keep)  # every folder a move needs, checked before anything changes
-        safefs.make_folder(folder, f"--out {out}: {FOLDER}")
-        record = {"run": run, "from": os.path.abspath(resumed) if resumed is not None else None}
+        safefs.make_folder(folder, f"--out {shown(out)}: {FOLDER}")
+        record = {"run": run, "from": os.path.abspath(shown(resumed)) if resumed is not None else None}
         safefs.write_file(folder / OWNER, (json.dumps(record) + "\n").encode())
     moved: dict[Path, list[str]] = {}
     for old, place in places(out, run, keep).items():
         moved.setdefault(aside(old, run, place), []).append(old.name)
     for place, names in moved.items():
-        say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {place}: nothing deleted; "
-            f"--resume {place} goes on from that run")
+        say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {shown(place)}: nothing "
+            f"deleted; --resume {shown(place)} goes on from that run")
     return run
 
 
@@ -80,7 +83,7 @@ def folder_aside(checkpoint: Path, run: str) -> Path:
     """checkpoints/run-<the id of the run that wrote `checkpoint`>/, made if missing (never through a link). One
     written before runs had ids (or whose marker is not an id) goes into run-unnamed-<this run's id>/."""
     place = checkpoint.parent / f"run-{run_of(checkpoint) or 'unnamed-' + run}"
-    return safefs.make_folder(place, f"{place}")
+    return safefs.make_folder(place, shown(place))
 
 
 def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
@@ -94,20 +97,21 @@ def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
     return place
 
 
-def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) -> None:
+def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int, trusted: str = "") -> None:
     """Every rank: its part of checkpoint step-<steps> (rank 0 the file, every rank its shards under fsdp); then
     rank 0 makes it whole and drops this run's oldest beyond `keep` (0: none dropped). Rank 0 makes step-N.part
     and writes into it through a descriptor held from then on: a folder renamed and replaced meanwhile (by a user
-    who can write into checkpoints/) is never written through, and is not renamed into place."""
+    who can write into checkpoints/) is never written through, and is not renamed into place. `trusted`:
+    --trust-dir's folders (trust.py)."""
     folder = Path(out) / FOLDER
     final = folder / f"step-{steps:08d}"
     part = final.with_name(final.name + ".part")
     held = checkpoints = None
     if mc.is_main:
-        safefs.make_folder(folder, f"--out {out}: {FOLDER}")  # first: claim() records the run there
+        safefs.make_folder(folder, f"--out {shown(out)}: {FOLDER}")  # first: claim() records the run there
         run = (owner(out) or {}).get("run") or claim(out, None)
-        checkpoints = safefs.Folder.open(folder, f"--out {out}: {FOLDER}")
-        safefs.guard(os.fstat(checkpoints.fd), f"--out {out}: {FOLDER}", folder)
+        checkpoints = safefs.Folder.open(folder, f"--out {shown(out)}: {FOLDER}")
+        trust.check_folder(checkpoints.fd, f"--out {shown(out)}: {FOLDER}", folder, trust.trusted(trusted))
         held = fresh(checkpoints, part, run)
         state = {**state, "run": run}
     mc.barrier()  # under fsdp the other ranks write into the folder rank 0 made (its shards folder, checked)
@@ -127,8 +131,9 @@ def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int) ->
 def whole_now(checkpoints: safefs.Folder, held: safefs.Folder, part: Path, final: Path, run: str) -> None:
     """Rank 0: step-N.part, still the folder written into, renamed to step-N."""
     if not checkpoints.holds(part.name, held):
-        raise UsageError(f"{part}: was replaced while the checkpoint was written into it (by a user who can write "
-                         f"into {part.parent}?); the checkpoint is not in place: run again with --resume auto")
+        raise UsageError(f"{shown(part)}: was replaced while the checkpoint was written into it (by a user who can "
+                         f"write into {shown(part.parent)}?); the checkpoint is not in place: run again with --resume "
+                         f"auto")
     if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
         drop(final)
     elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
@@ -144,16 +149,16 @@ def fresh(checkpoints: safefs.Folder, part: Path, run: str) -> safefs.Folder:
     if found == "folder" and run_of(part) == run:
         shutil.rmtree(part)
     elif found is not None and not drop_half_marked(part):  # anything but one a kill cut short before its marker
-        raise UsageError(f"{part}: a {found} multicard did not make is in the way of this checkpoint; move it "
-                         f"elsewhere and run again (--resume auto goes on)")
+        raise UsageError(f"{shown(part)}: a {found} multicard did not make is in the way of this checkpoint; move "
+                         f"it elsewhere and run again (--resume auto goes on)")
     held = None
     try:
-        held = checkpoints.make(part.name, str(part))
+        held = checkpoints.make(part.name, shown(part))
         held.write(MARK, lambda f: f.write((run + "\n").encode()))  # first: a kill from here on leaves it ours
     except OSError as e:
         if held is not None:
             held.close()
-        raise UsageError(f"cannot write {part} ({e.strerror}); choose another --out") from None
+        raise UsageError(f"cannot write {shown(part)} ({e.strerror}); choose another --out") from None
     return held
 
 
@@ -161,7 +166,8 @@ def drop(checkpoint: Path) -> None:
     """Out of the list of whole checkpoints at once (one rename), then deleted: a kill half-way through the
     deletion leaves no checkpoint that looks whole and is not. Never through a link."""
     if checkpoint.is_symlink() or checkpoint.parent.is_symlink():
-        raise UsageError(f"{checkpoint}: reached through a link; multicard deletes only in folders of its own")
+        raise UsageError(f"{shown(checkpoint)}: reached through a link; multicard deletes only in folders of its "
+                         f"own")
     gone = checkpoint.with_name(f"{checkpoint.name}.{secrets.token_hex(4)}.dropped.part")  # never one planted
     os.replace(checkpoint, gone)
     shutil.rmtree(gone, ignore_errors=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
+from .. import safefs
 from ..checkpoints import plain
 from ..errors import UsageError
 from ..front.saving import OWN
@@ -46,11 +47,13 @@ def decide(config: TrainConfig, given: set[str] | None = None, world: int | None
     return begun(config.settled(world), checkpoint, config.resume == "auto", skipped)
 
 
-def restart(start: Start) -> Start:
+def restart(start: Start, out: str | Path | None = None) -> Start:
     """After a failed attempt: the same run, as decided, from its newest checkpoint, or where it wrote none, from
-    where it started (known here, not read back from run.json)."""
+    where it started (known here, not read back from run.json). `out`: --out as the launcher holds it open (its
+    checkpoints are looked for there; the one found is named by its own path, for the ranks)."""
     skipped: list[str] = []
-    found = resolve("auto", start.config.out, outside=False, skipped=skipped)
+    found = resolve("auto", out or start.config.out, outside=False, skipped=skipped)
+    found = Path(safefs.shown(found)) if found is not None else None
     return begun(start.config, found or start.checkpoint, True, skipped)
 
 
