@@ -330,7 +330,7 @@ def test_a_script_that_sets_up_only_its_loader_stops_with_one_line(tmp_path):
         "data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))\n"
         "for x, y in mc.setup_dataloader(DataLoader(data, batch_size=8, shuffle=True)):\n"
         "    optimizer.zero_grad()\n    nn.functional.mse_loss(model(x), y).backward()\n    optimizer.step()\n")
-    result = subprocess.run([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(script)],
+    result = subprocess.run([sys.executable, "-m", "multicard", "run", "--quiet", "--devices", "cpu:2", str(script)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert lines(result.stderr) == [line for line in result.stderr.splitlines() if line.strip()]
