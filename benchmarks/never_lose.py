@@ -63,9 +63,9 @@ import torch
 from _common import machine
 
 import multicard
+from multicard.checkpoints import resume
 from multicard.models import LeNet5
 from multicard.tools.bench_report import commit
-from multicard.trainer import resume
 
 SEED = 20240611  # the random instants (and which worker) are reproducible from it
 MC = [sys.executable, "-m", "multicard", "train"]

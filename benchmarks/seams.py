@@ -1,6 +1,6 @@
 """What the seams' checks cost a training step (issue 40, items 1-3): torch's pre-step hook on every optimizer step
-(front/owners.py: is this optimizer's every parameter held by a set-up model?), the set-up model's forward asking
-whether it is the first training one (front/alike.py), and mc.local's count with the global batch's fingerprint
+(yourloop/owners.py: is this optimizer's every parameter held by a set-up model?), the set-up model's forward asking
+whether it is the first training one (yourloop/alike.py), and mc.local's count with the global batch's fingerprint
 compared every K calls (K = 100 by default); ddp on 2 gloo processes on the CPU.
 
 Result: not measured on an idle machine yet (run the command below on one; the first figures, taken on a busy
@@ -35,9 +35,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import multicard
-from multicard.front import alike, owners
 from multicard.jobs.devices import cpu_cores
 from multicard.models import LeNet5
+from multicard.yourloop import alike, owners
 
 PROCS, BATCH, STEPS, CALLS = 2, 64, 100, 20_000  # processes, global batch, steps a timing, calls a piece
 

@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import multicard
-from multicard.front.multicard import Multicard
 from multicard.jobs.devices import to_device
+from multicard.yourloop.multicard import Multicard
 
 Pair = collections.namedtuple("Pair", "x y")
 

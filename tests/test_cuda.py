@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_same, cuda, rehearsal, run_cli
-from multicard.front import memory
 from multicard.tools import bench, parity
 from multicard.tools.bench_report import markdown, table
 from multicard.trainer.config import TrainConfig
+from multicard.yourloop import memory
 
 SMALL = ["--data", "synthetic", "--synthetic-samples", "512", "--epochs", "2", "--batch-size", "64", "--quiet"]
 HAS_NVML = importlib.util.find_spec("pynvml") is not None

@@ -14,8 +14,8 @@ from torch import nn
 
 import multicard
 from multicard.checkpoints import plain as checkpoint
+from multicard.checkpoints import resume
 from multicard.errors import UsageError
-from multicard.trainer import resume
 from test_hostile3 import train
 
 

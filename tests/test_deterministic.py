@@ -14,7 +14,7 @@ from torch import nn
 import multicard
 from conftest import run_cli
 from multicard.errors import UsageError
-from multicard.front import determinism
+from multicard.yourloop import determinism
 
 WORKSPACE = determinism.WORKSPACE
 

@@ -14,7 +14,6 @@ from torch import nn
 from conftest import assert_same, cuda, run_cli, tiny_images
 from multicard import safefs
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
 from multicard.jobs.devices import Devices
 from multicard.jobs.dist import Job
 from multicard.models.lenet import LeNet5
@@ -25,6 +24,7 @@ from multicard.strategies.single import Single
 from multicard.trainer.config import TrainConfig
 from multicard.trainer.loop import accuracy
 from multicard.trainer.run import worker
+from multicard.yourloop.multicard import Multicard
 
 
 def chunk_sizes(n: int, cards: int) -> list[int]:

@@ -18,13 +18,13 @@ import pytest
 
 from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, outcome, slots
+from multicard.jobs import dist, launcher, outcome, progress
 from multicard.jobs.dist import Job
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
          "--quiet", "--no-augment"]
 JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", slots.PROGRESS)
+                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", progress.PROGRESS)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -298,25 +298,25 @@ def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
 def slot(tmp_path, monkeypatch):
     """This process as rank 0 of a job our launcher started: its progress file."""
     path = outcome.slot_path(str(tmp_path), 0)
-    slots.new_slot(path)
-    monkeypatch.setenv(slots.PROGRESS, path)
-    monkeypatch.setattr(slots, "_slot", None)
+    progress.new_slot(path)
+    monkeypatch.setenv(progress.PROGRESS, path)
+    monkeypatch.setattr(progress, "_slot", None)
     return path
 
 
 def test_progress_reaches_the_launcher(slot):
-    assert slots.read_slot(slot) == (0.0, 0.0, 0.0)
+    assert progress.read_slot(slot) == (0.0, 0.0, 0.0)
     before = time.monotonic()
-    slots.progress()
-    last, _, timed_out = slots.read_slot(slot)
+    progress.progress()
+    last, _, timed_out = progress.read_slot(slot)
     assert before <= last <= time.monotonic() and not timed_out
-    slots.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
-    assert slots.read_slot(slot)[2]
+    progress.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert progress.read_slot(slot)[2]
 
 
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
-    monkeypatch.delenv(slots.PROGRESS, raising=False)
-    monkeypatch.setattr(slots, "_slot", None)
+    monkeypatch.delenv(progress.PROGRESS, raising=False)
+    monkeypatch.setattr(progress, "_slot", None)
     def timed(call) -> float:
         start = time.perf_counter()
         for _ in range(100_000):
@@ -324,7 +324,7 @@ def test_progress_outside_a_job_is_nearly_free(monkeypatch):
         return time.perf_counter() - start
 
     # about 0.2 us a call, a few times a call that does nothing (the reference, timed alike: a busy machine slows both)
-    assert timed(slots.progress) < 20 * timed(lambda: None) + 0.05
+    assert timed(progress.progress) < 20 * timed(lambda: None) + 0.05
 
 
 def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path):
@@ -332,11 +332,11 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for rank in range(3):
-            slots.new_slot(outcome.slot_path(folder, rank))
+            progress.new_slot(outcome.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
             with open(outcome.slot_path(folder, rank), "r+b") as f:
-                f.write(slots.SLOT.pack(slots.MARK, last, 5.0, 1.0 if timed_out else 0.0))
+                f.write(progress.SLOT.pack(progress.MARK, last, 5.0, 1.0 if timed_out else 0.0))
 
         now = time.monotonic()
         show(0, now - 6)

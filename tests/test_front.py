@@ -14,11 +14,11 @@ from torch.utils.data.distributed import DistributedSampler
 import multicard
 from conftest import assert_same, cpu_and_card, rehearsal, sharded, tiny_images
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
-from multicard.front.prepared import Prepared
 from multicard.jobs.devices import Devices
 from multicard.strategies.dp import DP
 from multicard.strategies.single import Single
+from multicard.yourloop.multicard import Multicard
+from multicard.yourloop.prepared import Prepared
 from test_dp import CPUBalanced
 
 STEPS, BATCH = 20, 48  # 48 splits over 1, 2 and 3 processes

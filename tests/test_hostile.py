@@ -21,7 +21,7 @@ from conftest import HUNG_S, ROOT, run_cli
 from multicard import models
 from multicard.data import idx
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, lifeline, outcome, slots
+from multicard.jobs import dist, launcher, lifeline, outcome, progress
 from multicard.jobs.dist import Job, job_from_env, rendezvous_env
 from test_faults import JOB_VARIABLES, clean_env
 
@@ -32,7 +32,7 @@ def job_env(monkeypatch):
     """This process as rank 1 of 2 of a job met at a port (given later), its launcher's variables cleared."""
     for name in (*JOB_VARIABLES, lifeline.LAUNCHER_PID):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(slots, "_slot", None)
+    monkeypatch.setattr(progress, "_slot", None)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -151,13 +151,13 @@ def test_a_gz_whose_header_claims_more_than_memory_is_refused_before_reading(tmp
 def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path, monkeypatch, capsys):
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"precious data, 32 bytes of it!!\n")
-    monkeypatch.setenv(slots.PROGRESS, str(victim))
-    monkeypatch.setattr(slots, "_slot", None)
-    slots.progress()
-    slots.failed(RuntimeError("Timed out waiting 5000ms"))
+    monkeypatch.setenv(progress.PROGRESS, str(victim))
+    monkeypatch.setattr(progress, "_slot", None)
+    progress.progress()
+    progress.failed(RuntimeError("Timed out waiting 5000ms"))
     assert victim.read_bytes() == b"precious data, 32 bytes of it!!\n"
     assert capsys.readouterr().err.splitlines() == [
-        f"multicard: {slots.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
+        f"multicard: {progress.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
 
 
 # -- orphans ---------------------------------------------------------------------------------------------------
@@ -300,9 +300,9 @@ def test_a_model_module_that_ends_the_program_at_import_is_one_line(tmp_path, mo
 def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
     folder = str(tmp_path)
     for rank in range(3):
-        slots.new_slot(outcome.slot_path(folder, rank))
+        progress.new_slot(outcome.slot_path(folder, rank))
     with open(outcome.slot_path(folder, 0), "r+b") as f:
-        f.write(slots.SLOT.pack(slots.MARK, 1.0, 5.0, slots.LOST_PEER))
+        f.write(progress.SLOT.pack(progress.MARK, 1.0, 5.0, progress.LOST_PEER))
     codes = {0: 1, 1: 3, 2: 0}
     order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
     ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
@@ -344,13 +344,13 @@ def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
 
     folder = str(tmp_path)
     for rank in range(2):
-        slots.new_slot(outcome.slot_path(folder, rank))
+        progress.new_slot(outcome.slot_path(folder, rank))
     with open(os.path.join(folder, "error-1"), "wb") as f:
         pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
     meant = launcher._failure(1, [], folder)
     assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
     with open(outcome.slot_path(folder, 0), "r+b") as f:  # rank 0 timed out waiting: for a frozen rank 1
-        f.write(slots.SLOT.pack(slots.MARK, 1.0, 5.0, slots.TIMED_OUT_STATE))
+        f.write(progress.SLOT.pack(progress.MARK, 1.0, 5.0, progress.TIMED_OUT_STATE))
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         frozen = launcher._failure(0, [Alive(0), Alive(sleeper.pid)], folder)
@@ -382,15 +382,15 @@ def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collec
     folder = str(tmp_path)
     now = time.monotonic()
     for rank in range(3):
-        slots.new_slot(outcome.slot_path(folder, rank))
+        progress.new_slot(outcome.slot_path(folder, rank))
 
     def show(rank: int, last: float, state: float) -> None:
         with open(outcome.slot_path(folder, rank), "r+b") as f:
-            f.write(slots.SLOT.pack(slots.MARK, last, 5.0, state))
+            f.write(progress.SLOT.pack(progress.MARK, last, 5.0, state))
 
-    show(0, now - 6, slots.TIMED_OUT_STATE)
-    show(1, now - 6, slots.TIMED_OUT_STATE)
-    show(2, now - 5, slots.TIMED_OUT_STATE)
+    show(0, now - 6, progress.TIMED_OUT_STATE)
+    show(1, now - 6, progress.TIMED_OUT_STATE)
+    show(2, now - 5, progress.TIMED_OUT_STATE)
     assert outcome.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
                                                    "and 2 for it: the ranks called different collectives (or the "
                                                    "same ones in another order)")

@@ -18,9 +18,9 @@ import torch
 import multicard
 from conftest import ROOT, tiny_images
 from multicard import safefs
+from multicard.checkpoints import resume, saves
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.trainer import resume, saves
 
 OLD = "20240101T000000-abcdef"  # an earlier run's id, as multicard makes them
 
@@ -183,7 +183,7 @@ def test_a_fifo_run_json_is_one_line_not_a_hang(tmp_path):
     earlier(tmp_path)
     (tmp_path / "checkpoints" / "run.json").unlink()
     os.mkfifo(tmp_path / "checkpoints" / "run.json")
-    done = bounded(f"from multicard.trainer import resume, saves\nfrom multicard.errors import UsageError\n"
+    done = bounded(f"from multicard.checkpoints import resume, saves\nfrom multicard.errors import UsageError\n"
                    f"try:\n    resume.resolve('auto', {str(tmp_path)!r})\nexcept UsageError as e:\n    print(e)")
     assert "checkpoints/run.json: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
 
@@ -192,7 +192,7 @@ def test_a_fifo_marker_is_not_read_and_the_checkpoint_kept_aside(tmp_path):
     made = earlier(tmp_path)
     (made[1] / ".multicard").unlink()
     os.mkfifo(made[1] / ".multicard")
-    done = bounded(f"from multicard.trainer import saves\nprint(saves.claim({str(tmp_path)!r}, None))")
+    done = bounded(f"from multicard.checkpoints import saves\nprint(saves.claim({str(tmp_path)!r}, None))")
     assert done.returncode == 0, done.stderr
     run = done.stdout.split()[-1]
     assert (tmp_path / "checkpoints" / f"run-unnamed-{run}" / "step-00000002" / "state.pt").is_file()

@@ -17,9 +17,9 @@ from torch import nn
 import multicard
 from multicard import safefs
 from multicard.checkpoints import plain as checkpoint
-from multicard.checkpoints import shards
+from multicard.checkpoints import resume, shards
 from multicard.errors import UsageError
-from multicard.trainer import resume, start
+from multicard.trainer import start
 from multicard.trainer.config import TrainConfig
 from test_hostile3 import OLD, earlier, train
 

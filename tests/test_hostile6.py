@@ -18,9 +18,8 @@ from torch import nn
 
 import multicard
 from conftest import tiny_images
-from multicard.checkpoints import shards
+from multicard.checkpoints import saves, shards
 from multicard.errors import UsageError
-from multicard.trainer import saves
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import Report
 from test_hostile3 import train

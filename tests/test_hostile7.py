@@ -23,8 +23,8 @@ from torch import nn
 
 import multicard
 from conftest import ROOT, run_cli, tiny_images
+from multicard.checkpoints import resume
 from multicard.errors import UsageError
-from multicard.trainer import resume
 from test_damaged import flip
 from test_faults import clean_env, gone, running
 from test_hostile3 import tree

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "multicard"
 
 # Bottom to top. A module may import its own layer and the layers before it, never one after it.
-LAYERS = ["errors", "safefs", "jobs", "strategies", "data", "models", "checkpoints", "front", "trainer", "tools",
+LAYERS = ["errors", "safefs", "jobs", "strategies", "data", "models", "checkpoints", "yourloop", "trainer", "tools",
           "cli", "__main__", "__init__"]
 MOST_LINES = 320
 MOST_TOP_LEVEL = 12
@@ -94,15 +94,15 @@ def test_no_import_circle():
 def test_the_checker_sees_a_circle_and_an_import_up_a_layer(tmp_path, monkeypatch):
     fake = tmp_path / "multicard"
     (fake / "jobs").mkdir(parents=True)
-    (fake / "front").mkdir()
+    (fake / "yourloop").mkdir()
     (fake / "jobs" / "__init__.py").write_text("")
-    (fake / "front" / "__init__.py").write_text("")
-    (fake / "jobs" / "a.py").write_text("def f():\n    from ..front import b\n")
-    (fake / "front" / "b.py").write_text("from ..jobs.a import f\n")
+    (fake / "yourloop" / "__init__.py").write_text("")
+    (fake / "jobs" / "a.py").write_text("def f():\n    from ..yourloop import b\n")
+    (fake / "yourloop" / "b.py").write_text("from ..jobs.a import f\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
     edges = graph()
-    assert edges["jobs.a"] == {"front.b"} and edges["front.b"] == {"jobs.a"}
-    assert [f"{a} -> {b}" for a, t in edges.items() for b in t if layer(b) > layer(a)] == ["jobs.a -> front.b"]
+    assert edges["jobs.a"] == {"yourloop.b"} and edges["yourloop.b"] == {"jobs.a"}
+    assert [f"{a} -> {b}" for a, t in edges.items() for b in t if layer(b) > layer(a)] == ["jobs.a -> yourloop.b"]
 
 
 def test_modules_stay_small():

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from multicard import models
-from multicard.front.memory import shard_bytes
 from multicard.jobs.launcher import free_port
 from multicard.models.wide_mlp import WideMLP
+from multicard.yourloop.memory import shard_bytes
 
 
 def nbytes(model: nn.Module) -> int:

@@ -14,10 +14,9 @@ import torch
 
 import multicard
 from conftest import shown, tiny_images
-from multicard.checkpoints import shards
+from multicard.checkpoints import resume, saves, shards
 from multicard.errors import UsageError
 from multicard.models import LeNet5
-from multicard.trainer import resume, saves
 from multicard.trainer.outdir import FILES, Output
 
 LIGHT = dict(quiet=True, batch_size=24, strategy="single", devices="cpu")  # 96 samples: 4 steps per epoch

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import multicard
 from conftest import run_cli
 from multicard.errors import UsageError
-from multicard.front import determinism
-from multicard.front.multicard import Multicard
+from multicard.yourloop import determinism
+from multicard.yourloop.multicard import Multicard
 
 
 @pytest.fixture
@@ -95,7 +95,8 @@ def test_multicard_run_deterministic_says_a_refused_op_in_one_line(tmp_path, dev
     (tmp_path / "job.py").write_text(SCRIPT)
     env = {"PYTHONPATH": os.path.dirname(__file__)}
     for where, said in (("loss", ""), ("worker", " (in a DataLoader worker)")):
-        out = run_cli("run", "--quiet", "--deterministic", "--devices", devices, str(tmp_path / "job.py"), where, env=env)
+        out = run_cli("run", "--quiet", "--deterministic", "--devices", devices, str(tmp_path / "job.py"), where,
+                      env=env)
         assert out.returncode == 2 and out.stderr.startswith(
             f"multicard: error: max_unpooling2d_forward_out{said} has no deterministic version"), out.stderr
         assert len(out.stderr.splitlines()) == 1, out.stderr

@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 import multicard
 from conftest import run_cli, tiny_images
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
 from multicard.jobs.devices import Devices
 from multicard.jobs.dist import Job
 from multicard.models import LeNet5
@@ -25,6 +24,7 @@ from multicard.strategies.ddp import DDP
 from multicard.strategies.single import Single
 from multicard.tools.parity import check
 from multicard.trainer.config import TrainConfig
+from multicard.yourloop.multicard import Multicard
 from test_dp import CPUBalanced
 from test_front import CPUDP
 

@@ -17,13 +17,13 @@ import multicard
 from conftest import ROOT
 from multicard import cli, strategies
 from multicard.errors import UsageError
-from multicard.front.processes import make_strategy
 from multicard.jobs import devices, launcher
 from multicard.jobs import dist as jobs_dist
 from multicard.jobs.devices import Devices, parse, rehearsal, select
 from multicard.jobs.dist import Job, backend_for
 from multicard.tools import bench, parity
 from multicard.trainer.config import TrainConfig
+from multicard.yourloop.processes import make_strategy
 from test_bench import args as bench_args
 
 SHARED = Devices("cuda", (0, 0))

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import multicard
-from multicard.front.multicard import Multicard
-from multicard.front.replicas import ReplicasParted
+from multicard.yourloop.multicard import Multicard
+from multicard.yourloop.replicas import ReplicasParted
 
 TAGS = {f"tag{i}" for i in range(20)}  # iterated in each process's own string-hash order
 
@@ -102,7 +102,7 @@ def test_settings_by_value_and_checks_that_part_are_one_line(world):
 
 
 def test_a_setting_is_fingerprinted_by_its_value():
-    from multicard.front.fingerprints import number, stable
+    from multicard.yourloop.fingerprints import number, stable
 
     assert stable({"b", "a", "c"}) == stable({"c", "a", "b"}) == "{'a', 'b', 'c'}"
     assert number(frozenset({("x", 1), ("y", 2)})) == number(frozenset({("y", 2), ("x", 1)}))

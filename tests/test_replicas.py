@@ -18,14 +18,14 @@ import multicard
 from conftest import run_cli, tiny_images
 from multicard.cli import main
 from multicard.errors import UsageError
-from multicard.front import replicas
-from multicard.front.fingerprints import fingerprints
-from multicard.front.multicard import Multicard
-from multicard.front.replicas import ReplicasParted
 from multicard.jobs.devices import Devices
 from multicard.models import LeNet5
 from multicard.strategies import Strategy
 from multicard.trainer import config
+from multicard.yourloop import replicas
+from multicard.yourloop.fingerprints import fingerprints
+from multicard.yourloop.multicard import Multicard
+from multicard.yourloop.replicas import ReplicasParted
 
 X = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))  # a global batch: each rank takes its rows
 

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader
 
 import multicard
 from conftest import HUNG_S, ROOT, shown, tiny_images
+from multicard.checkpoints import resume
 from multicard.errors import UsageError
 from multicard.jobs.failures import RankFailed
 from multicard.models import LeNet5
-from multicard.trainer import resume
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import strict
 
@@ -378,8 +378,8 @@ def test_a_plain_state_dict_is_saved_plain(tmp_path):
 
 
 def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
+    from multicard.checkpoints.resume import inherit
     from multicard.trainer.config import TrainConfig
-    from multicard.trainer.resume import inherit
 
     path = tmp_path / "state.pt"
     torch.save({"config": {"batch_size": 256, "lr": 0.008, "epochs": 2}, "loader": {"epoch": 0, "samples": 768},

@@ -26,8 +26,8 @@ import multicard
 from conftest import ROOT
 from multicard.checkpoints import plain as checkpoint
 from multicard.errors import UsageError
-from multicard.front import alike
-from multicard.front.multicard import Multicard
+from multicard.yourloop import alike
+from multicard.yourloop.multicard import Multicard
 
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(48, 4, generator=G), torch.randn(48, 1, generator=G)  # the same in every process

@@ -13,7 +13,7 @@ from torch import nn
 
 import multicard
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
+from multicard.yourloop.multicard import Multicard
 
 X = torch.randn(12, 4, generator=torch.Generator().manual_seed(1))  # a global batch: each rank takes its rows
 

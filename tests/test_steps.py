@@ -24,8 +24,8 @@ from multicard.data import uneven
 from multicard.data.keyed import Seeded
 from multicard.data.loaders import shard
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
 from multicard.jobs import devices
+from multicard.yourloop.multicard import Multicard
 
 # (samples, global batch, accumulate): a short last step of 5 rows ([3, 2] over 2, [2, 2, 1] over 3); one of 1
 # row (the other processes take a repeat, weighted 0); and a last micro-batch of 1 row under accumulation

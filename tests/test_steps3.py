@@ -24,8 +24,8 @@ from conftest import run_cli
 from multicard.data import watch
 from multicard.data.loaders import shard
 from multicard.errors import UsageError
-from multicard.front.multicard import Multicard
 from multicard.trainer.loop import evaluate
+from multicard.yourloop.multicard import Multicard
 
 
 def data(n: int, seed: int = 0) -> TensorDataset:

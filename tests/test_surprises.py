@@ -47,7 +47,7 @@ def test_resuming_a_finished_run_says_so_and_writes_its_files_again(cosine, caps
 
 
 def test_a_bare_resume_takes_the_whole_recipe(cosine, tmp_path):
-    config = multicard.trainer.resume.inherit(multicard.trainer.resume.resolve("auto", cosine), TrainConfig())
+    config = multicard.trainer.recipe.inherit(multicard.checkpoints.resume.resolve("auto", cosine), TrainConfig())
     assert (config.optimizer, config.scheduler, config.epochs, config.save_every, config.lr) == \
         ("sgd", "cosine", 2, 1, 0.05)
 

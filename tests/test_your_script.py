@@ -24,8 +24,8 @@ from torch.utils.data.distributed import DistributedSampler
 import multicard
 from conftest import HUNG_S
 from multicard.errors import UsageError
-from multicard.front.collectives import bounds
-from multicard.front.multicard import Multicard
+from multicard.yourloop.collectives import bounds
+from multicard.yourloop.multicard import Multicard
 
 
 class Coder(nn.Module):
@@ -267,7 +267,7 @@ TORCHRUN_SCRIPT = """
 import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
-from multicard.front.multicard import Multicard
+from multicard.yourloop.multicard import Multicard
 from test_your_script import script_job
 
 dist.init_process_group("gloo")  # nanoGPT's habit: the script joins the group itself

@@ -8,7 +8,7 @@ from importlib import import_module
 from .jobs import lifeline as _lifeline  # noqa: F401  (first thing: the parent a rank was started under)
 
 __version__ = "0.1.0"
-_HOME = {"Multicard": "front.multicard", "launch": "front.multicard", "train": "trainer.run",
+_HOME = {"Multicard": "yourloop.multicard", "launch": "yourloop.multicard", "train": "trainer.run",
          "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.plain",
          "load": "checkpoints.plain", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
 __all__ = sorted(_HOME)

@@ -1,4 +1,4 @@
-"""The one exception a user sees as a single line instead of a traceback."""
+"""The one exception a user sees as a single line instead of a traceback, and the one line said without stopping."""
 
 
 class UsageError(Exception):
@@ -7,3 +7,11 @@ class UsageError(Exception):
     def _render_traceback_(self) -> list[str]:
         """What IPython (a notebook) shows: the one line, without the frames that led to it."""
         return [f"UsageError: {self}"]
+
+
+def say(line: str) -> None:
+    """A line for the user that goes on (a checkpoint moved aside, one skipped): above a progress bar, never
+    through it."""
+    from tqdm import tqdm  # only where something is said
+
+    tqdm.write(f"multicard: {line}")

@@ -24,6 +24,7 @@ from typing import IO, NamedTuple
 
 from .errors import UsageError
 
+MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
 SMALL = 64 * 1024  # markers and run.json: a few dozen bytes by construction
 FOLDER_MODE = 0o755  # a folder multicard makes: nobody else may add, rename or remove in it, whatever the umask
 MAGIC = Path("/proc/self/fd")  # Linux: /proc/self/fd/N/name is `name` in the folder descriptor N holds, wherever it is
@@ -243,6 +244,29 @@ class Folder:
             self.close()
         except Exception:  # at interpreter exit the modules it uses may be gone; the system closes it then
             pass
+
+
+def marked(folder: Path) -> bool:
+    """A real folder (not a link) holding multicard's marker as a regular file (not a link to one)."""
+    return is_folder(folder) and kind(folder / MARK) == "file"
+
+
+def drop_half_marked(folder: Path) -> bool:
+    """Remove `folder` if it is a real folder holding nothing but marker temporaries (or nothing): one multicard
+    made and was killed in before its marker was in place. Its files one by one, then the folder, empty (what
+    anyone puts there meanwhile stops it)."""
+    if not is_folder(folder):
+        return False
+    entries = list(folder.iterdir())
+    if not all(is_temporary(e.name, MARK) and kind(e) == "file" for e in entries):
+        return False
+    for entry in entries:
+        entry.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 def replaced(what: str) -> str:

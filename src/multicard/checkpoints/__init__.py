@@ -1,3 +1,13 @@
-"""Checkpoints on disk: plain unwrapped state_dicts (multicard.save / load, read with weights_only) and fsdp's
-sharded folders (torch.distributed.checkpoint, its metadata read through an allow-list). May import errors,
-jobs, strategies, data and models; never the front object or the trainer."""
+"""Checkpoints: everything that decides what goes into a checkpoint file and how it is written, checked and read
+back. The Multicard (yourloop/) and the trainer (trainer/) call these; nothing here imports either.
+
+- plain.py: one file, written atomically and read with weights_only (multicard.save / load), models unwrapped,
+  random streams; the entry points for any state_dict.
+- sums.py: each file's checksums, recorded at save and checked at load: damage is named, never unpickled.
+- shards.py: fsdp's sharded folders (torch.distributed.checkpoint), their metadata read through an allow-list.
+- save_load.py: a user's loop's mc.save / mc.load / mc.state_dict (the Multicard's Checkpoints methods).
+- randoms.py: every rank's random streams into the one file of an mc.save; no save on any rank dropped.
+- resume.py: the trainer's checkpoints in --out/checkpoints, read: which are whole, whose, which --resume names.
+- saves.py: the trainer's checkpoints written: claimed for a run, made whole, pruned, nothing deleted that is not
+  multicard's.
+May import errors, safefs, jobs, strategies, data and models; never yourloop/, the trainer or the tools."""

@@ -1,5 +1,5 @@
 """Datasets by name (mnist-5k, IDX, synthetic), the global data order, and the loaders and pipelines that deal
-it out over processes. May import errors, jobs and strategies; never models, checkpoints or the front object."""
+it out over processes. May import errors, jobs and strategies; never models, checkpoints or yourloop/."""
 
 from __future__ import annotations
 

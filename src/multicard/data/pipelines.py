@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ..errors import UsageError
-from ..jobs.slots import pass_ended, read_batch
+from ..jobs.progress import pass_ended, read_batch
 from ..jobs.trees import values
 from . import uneven, watch
 from .order import Agree, same_everywhere

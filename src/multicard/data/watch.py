@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from ..errors import UsageError
-from ..jobs.slots import explain_with
+from ..jobs.progress import explain_with
 
 _forwards = [0]  # forwards of a set-up model in this process
 _batches: dict[int, int] = {}  # global batch -> this process's rows of it, where they differ

@@ -15,10 +15,10 @@ from typing import Any
 
 from ..errors import UsageError
 from . import lifeline
+from .cpp_log import cpp_log_hidden
 from .devices import Devices
 from .lifeline import inherited
-from .quiet import cpp_log_hidden
-from .slots import hook_failures, progress, progress_slot, slot_timed_out
+from .progress import hook_failures, progress, progress_slot, slot_timed_out
 
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError
-from . import closed, failures, jobdir, lifeline, shipping, slots, spawned, streams
+from . import closed, failures, jobdir, lifeline, progress, shipping, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
@@ -60,7 +60,7 @@ def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
     env[lifeline.LAUNCHER_PID] = str(launcher or os.getpid())
     if folder:
-        env[slots.PROGRESS] = slot_path(folder, rank)
+        env[progress.PROGRESS] = slot_path(folder, rank)
     return env
 
 
@@ -148,7 +148,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
                 _tracker()
                 with _blocked(signal.SIGINT):  # each rank starts with it blocked: see spawned.body
                     for rank in range(nprocs):
-                        slots.new_slot(slot_path(folder, rank))
+                        progress.new_slot(slot_path(folder, rank))
                         ends = relay.ends()
                         env = job_env(rank, nprocs, server.port, folder)
                         process = context.Process(target=spawned.body, name=f"multicard rank {rank}",
@@ -232,7 +232,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             parent = os.getpid()
             with signals.holding():  # every process started is known before a signal is acted on
                 for rank in range(nprocs):
-                    slots.new_slot(slot_path(folder, rank))
+                    progress.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **env,
                                                                 **job_env(rank, nprocs, server.port, folder)},
                                                   start_new_session=True, preexec_fn=lambda: lifeline.die_with(parent)))

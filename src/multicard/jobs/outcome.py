@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import dist, slots
+from . import dist, progress
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
 KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
@@ -51,7 +51,7 @@ def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[in
         for rank in done:
             running.discard(rank)
             if code(rank):
-                if slots.read_slot(slot_path(folder, rank))[2] != slots.LOST_PEER:
+                if progress.read_slot(slot_path(folder, rank))[2] != progress.LOST_PEER:
                     return rank
                 if failed is None:
                     failed, deadline = rank, time.monotonic() + PEER_S
@@ -64,8 +64,8 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
     """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
     running), and why: one stopped by a signal (a frozen process); else, where every other rank of the `world`
     timed out waiting too, none: they called different collectives; else the one whose progress is oldest."""
-    _, timeout, state = slots.read_slot(slot_path(folder, failed))
-    if state != slots.TIMED_OUT_STATE or not (others or world > 1):
+    _, timeout, state = progress.read_slot(slot_path(folder, failed))
+    if state != progress.TIMED_OUT_STATE or not (others or world > 1):
         return None
     stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
     if stopped:
@@ -76,7 +76,7 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
     elif not others:
         return None
     else:
-        last = {r: slots.read_slot(slot_path(folder, r))[0] for r in others}
+        last = {r: progress.read_slot(slot_path(folder, r))[0] for r in others}
         rank = min(last, key=lambda r: (last[r], r))
         why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
             "it made no progress at all"
@@ -89,7 +89,7 @@ def parted(failed: int, codes: dict[int, int | None], folder: str) -> tuple[int,
     reads whole that served one rank more batches than another, whose pass had ended (whatever followed: a rank
     left waiting, gloo's abort on mismatched collectives); else a rank that ended well (`codes`: rank: exit code,
     None while running) while `failed` waited for it in a collective (it left early: a sys.exit on one rank)."""
-    reads = {rank: slots.read_reads(slot_path(folder, rank)) for rank in sorted(codes)}
+    reads = {rank: progress.read_reads(slot_path(folder, rank)) for rank in sorted(codes)}
     for short, (fewer, ended) in reads.items():
         for more, (batches, passes) in reads.items():
             if ended > passes and fewer < batches:
@@ -97,7 +97,7 @@ def parted(failed: int, codes: dict[int, int | None], folder: str) -> tuple[int,
                               f"there: a loader that every process reads whole (an IterableDataset, a batch "
                               f"sampler) must serve each process as many batches")
     gone = [rank for rank, code in sorted(codes.items()) if rank != failed and code == 0]
-    if gone and slots.read_slot(slot_path(folder, failed))[2] in (slots.TIMED_OUT_STATE, slots.LOST_PEER):
+    if gone and progress.read_slot(slot_path(folder, failed))[2] in (progress.TIMED_OUT_STATE, progress.LOST_PEER):
         return gone[0], (f"rank {gone[0]} ended (exit code 0) while rank {failed} still waited for it in a "
                          f"collective: every rank must make the same calls between processes before it ends (a "
                          f"sys.exit or a return on one rank only?)")
@@ -109,7 +109,7 @@ def _waiting_too(failed: int, world: int, folder: str) -> str:
     started to wait about together); "" where one did not (it is the one that stopped making progress)."""
     others = [r for r in range(world) if r != failed]
     deadline = time.monotonic() + MISMATCH_S
-    while any(slots.read_slot(slot_path(folder, r))[2] != slots.TIMED_OUT_STATE for r in others):
+    while any(progress.read_slot(slot_path(folder, r))[2] != progress.TIMED_OUT_STATE for r in others):
         if time.monotonic() > deadline:
             return ""
         time.sleep(0.05)
@@ -150,7 +150,7 @@ def stop(processes: list, grace_s: float) -> None:
 
 
 def told(folder: str, rank: int) -> tuple[str, str]:
-    """What rank `rank` left in the job's folder of how it failed (slots.tell_launcher): (kind, text), or empty."""
+    """What rank `rank` left in the job's folder of how it failed (progress.tell_launcher): (kind, text), or empty."""
     try:
         with open(os.path.join(folder, f"error-{rank}"), "rb") as f:
             return pickle.load(f)

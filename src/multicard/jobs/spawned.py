@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError
-from . import closed, lifeline, shipping, slots, streams
+from . import closed, lifeline, progress, shipping, streams
 from .dist import listed
 from .failures import Stopped
 
@@ -74,11 +74,11 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
     except UsageError as e:  # a bad input that only a process could see: one line, as anywhere else
         _fail("usage", str(e))
     except Exception as e:
-        said = slots.explained(e)  # torch's error, read in one line where an upper layer knows it
+        said = progress.explained(e)  # torch's error, read in one line where an upper layer knows it
         if isinstance(said, UsageError):
             _fail("usage", str(said))
-        slots.failed(e)
-        if slots.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
+        progress.failed(e)
+        if progress.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
             closed.end_by_sigpipe()
         _fail("trace", traceback.format_exc())
     _watch_threads(rank)
@@ -122,7 +122,7 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 
 def _fail(kind: str, text: str) -> None:
-    slots.tell_launcher(kind, text)
+    progress.tell_launcher(kind, text)
     if _running():  # threads fn left running: Python would wait for them, and the failure would never be told
         _end(1)
     sys.exit(1)
@@ -137,7 +137,7 @@ def _watch_threads(rank: int) -> None:
     """fn returned: Python now waits without limit for the threads it left running (not daemons), and the launch
     with it. They get the job's timeout (after their exit handlers: an idle ThreadPoolExecutor ends at once); then
     a watch ends this process without those still running, naming them."""
-    timeout = slots.progress_slot()[1] or THREADS_S
+    timeout = progress.progress_slot()[1] or THREADS_S
 
     def end() -> None:
         if left := _running():

@@ -1,6 +1,6 @@
 """The Strategy interface: everything that differs between single, dp, dp-balanced and ddp.
 
-The front object (front.py) calls only these methods, never asks which strategy it has. A strategy wraps the
+The Multicard (yourloop/) calls only these methods, never asks which strategy it has. A strategy wraps the
 model AND the criterion, so dp-balanced can keep outputs and losses on the cards without the loop knowing.
 """
 

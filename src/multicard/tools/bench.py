@@ -198,7 +198,7 @@ def run_seed_loop(spec: dict) -> dict:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ..front import memory
+    from ..yourloop import memory
 
     _quiet(Path(spec["out"]))
     model, train_data = _data(spec)

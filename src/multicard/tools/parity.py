@@ -25,11 +25,11 @@ from torch.utils.data import DataLoader
 from .. import data, models
 from ..data.images import ImageData
 from ..errors import UsageError
-from ..front.multicard import Multicard, launch
 from ..jobs.devices import select
 from ..strategies import Strategy
 from ..strategies.fsdp import full
 from ..trainer.config import TrainConfig
+from ..yourloop.multicard import Multicard, launch
 
 CHECK_BATCH = 64  # the global batch of the check where --batch-size is auto
 LR = 0.05  # plain SGD: large enough that K steps move the weights well past float rounding

@@ -24,10 +24,10 @@ def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
     if not args.module and not os.path.isfile(args.script):
         raise UsageError(f"run: no such script {args.script}")
     from .. import strategies
-    from ..front import determinism
     from ..jobs.devices import select
     from ..jobs.dist import job_from_env
     from ..jobs.launcher import job_choice, ranks_env, run_command
+    from ..yourloop import determinism
 
     started = time.monotonic()
     job = job_from_env()
@@ -99,8 +99,8 @@ def misplaced(script: str, script_args: list[str], own_flags: dict[str, bool]) -
 
 
 def replicas_env(args: argparse.Namespace) -> dict[str, str]:
-    """run's --replica-check flags, for the script's Multicard (front/replicas.py reads them): only those given."""
-    from ..front.replicas import EVERY_VAR, MODE_VAR
+    """run's --replica-check flags, for the script's Multicard (yourloop/replicas.py reads them): only those given."""
+    from ..yourloop.replicas import EVERY_VAR, MODE_VAR
 
     if args.replica_check_every is not None and args.replica_check_every < 1:
         raise UsageError(f"--replica-check-every {args.replica_check_every}: must be at least 1")

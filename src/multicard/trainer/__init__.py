@@ -1,3 +1,4 @@
-"""Our loop: TrainConfig and its recipe, the training loop (written on the front object only), the run with
-its resume decision and --out folder, reports and observation. May import every layer below (front, checkpoints,
-models, data, strategies, jobs); never the tools or the CLI."""
+"""Our loop: TrainConfig and its recipe (a resumed run's too), the training loop (written on the Multicard only),
+the run with its resume decision and --out folder (its checkpoints: checkpoints/resume.py and saves.py), reports
+and observation. May import every layer below (yourloop, checkpoints, models, data, strategies, jobs); never the
+tools or the CLI."""

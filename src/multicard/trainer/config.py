@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import UsageError
-from ..front.loggers import need_tensorboard
 from ..jobs.dist import check_timeout
+from ..yourloop.loggers import need_tensorboard
 
 
 def opt(default, help: str, **meta):
@@ -27,8 +27,8 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-REPLICA_CHECKS = ("stop", "warn", "off")  # front/replicas.py's modes
-REPLICA_CHECK_EVERY = 100  # front/replicas.py's EVERY (tests/test_replicas.py holds them equal)
+REPLICA_CHECKS = ("stop", "warn", "off")  # yourloop/replicas.py's modes
+REPLICA_CHECK_EVERY = 100  # yourloop/replicas.py's EVERY (tests/test_replicas.py holds them equal)
 # train --help shows the flags in these groups (title: what they set, the fields), in this order
 FLAG_GROUPS = {
     "data: what it learns from": ("data", "data_dir", "download", "synthetic_samples", "augment", "workers",

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..checkpoints import saves
 from ..data.images import ImageData
-from ..errors import UsageError
-from ..front.memory import shard_bytes
-from ..front.multicard import Multicard
-from . import saves
+from ..errors import UsageError, say
+from ..yourloop.memory import shard_bytes
+from ..yourloop.multicard import Multicard
+from . import trust
 from .config import TrainConfig
 from .observe import Progress, straggler
-from .report import say
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -92,11 +92,13 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
 
     saved = [-1]  # the step of the newest checkpoint: one step is written once
     nothing = contextlib.nullcontext()
+    trusted = trust.trusted(config.trust_dir)
 
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
                     "config": asdict(config)}
-        saves.write(mc, out or config.out, steps, {**objects, **progress}, config.keep_checkpoints, config.trust_dir)
+        saves.write(mc, out or config.out, steps, {**objects, **progress}, config.keep_checkpoints,
+                    lambda fd, what, folder: trust.check_folder(fd, what, folder, trusted))
         saved[0] = steps
 
     for epoch in range(train_loader.epoch, config.epochs):

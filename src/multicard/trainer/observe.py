@@ -1,5 +1,5 @@
 """Seeing a training run: curves.png at the end, the straggler among the ranks, and a plain progress line where
-no terminal shows tqdm's bar. (The loggers behind mc.log live in front/loggers.py.)
+no terminal shows tqdm's bar. (The loggers behind mc.log live in yourloop/loggers.py.)
 
 No torch or matplotlib at module level: each loads only when it is asked for.
 """

@@ -13,14 +13,13 @@ import time
 from pathlib import Path
 
 from .. import safefs
-from ..errors import UsageError
+from ..errors import UsageError, say
+from ..safefs import MARK, drop_half_marked, marked
 from . import trust
-from .report import say
 
 FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --out shows of the last good run
 OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
-MARK = ".multicard"  # in every folder multicard makes in --out: what proves it may delete it
 LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.(\d+|[0-9a-f]{{12}})\.part")
 
 
@@ -184,25 +183,6 @@ def held_out(run: safefs.Folder, out: str) -> safefs.Folder:
     return safefs.Folder(os.open(run.via / "..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), Path(out))
 
 
-def marked(folder: Path) -> bool:
-    """A real folder (not a link) holding multicard's marker as a regular file (not a link to one)."""
-    return safefs.is_folder(folder) and safefs.kind(folder / MARK) == "file"
-
-
-def drop_half_marked(folder: Path) -> bool:
-    """Remove `folder` if it is a real folder holding nothing but marker temporaries (or nothing): one multicard
-    made and was killed in before its marker was in place. Its files one by one, then the folder, empty (what
-    anyone puts there meanwhile stops it)."""
-    if not safefs.is_folder(folder):
-        return False
-    entries = list(folder.iterdir())
-    if not all(safefs.is_temporary(e.name, MARK) and safefs.kind(e) == "file" for e in entries):
-        return False
-    for entry in entries:
-        entry.unlink(missing_ok=True)
-    return rmdir(folder)
-
-
 def ours(path: Path, target: str | None = None) -> bool:
     """Whether `path` is a link multicard makes: to `target`, or (no target) to a run folder beside it."""
     if not path.is_symlink():
@@ -229,11 +209,3 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def rmdir(path: Path) -> bool:
-    try:
-        path.rmdir()
-    except OSError:
-        return False
-    return True

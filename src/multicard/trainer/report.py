@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..checkpoints import plain as checkpoint
+from ..errors import say
 from .config import TrainConfig
 from .observe import crowded, curves, straggles
 
@@ -19,9 +20,6 @@ from .observe import crowded, curves, straggles
 # writes its own lines, so a lock of its threads is all the bar needs.
 tqdm.set_lock(threading.RLock())
 
-
-def say(line: str) -> None:
-    tqdm.write(f"multicard: {line}")
 
 
 def strict(obj):

@@ -21,20 +21,20 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .. import safefs
 from ..checkpoints import plain as checkpoint
+from ..checkpoints.saves import claim
 from ..data.loaders import on_card
-from ..errors import UsageError
-from ..front.loggers import TensorBoardLogger
-from ..front.memory import MB
-from ..front.multicard import Multicard
+from ..errors import UsageError, say
 from ..jobs import lifeline, spawned
 from ..jobs.failures import RankFailed, said
+from ..yourloop.loggers import TensorBoardLogger
+from ..yourloop.memory import MB
+from ..yourloop.multicard import Multicard
 from .config import TrainConfig, idle
 from .loop import accuracy, fit
 from .observe import straggler
 from .outdir import FILES, OPTIONAL, Output, held_out
 from .recipe import make_optimizer, make_scheduler
-from .report import Report, say
-from .saves import claim
+from .report import Report
 from .start import Start, decide, restart
 
 

@@ -1,9 +1,10 @@
 """How a run of multicard train begins, decided in one place before any process starts: from the beginning or from
 which checkpoint, with which recipe (the resumed run's wherever no flag says otherwise), and what rank 0 says of
 it. The decision is one value, Start: train() makes it and hands it on; a restart makes it again with --resume
-auto; the CLI asks the same function which model and data the run needs. Which run the checkpoints then belong to
-follows from the checkpoint (saves.claim: going on from the owner's newest is the same run, anything else a new
-one). resume.py only reads checkpoints; outdir.py only holds and switches --out's folders.
+auto; the CLI asks the same function which model and data the run needs. Which run the checkpoints then belong
+to follows from the checkpoint (checkpoints/saves.py's claim: going on from the owner's newest is the same run,
+anything else a new one). checkpoints/resume.py only reads checkpoints; outdir.py only holds and switches --out's
+folders.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from torch import nn
 
 from .. import safefs
 from ..checkpoints import plain
+from ..checkpoints.resume import FOLDER, head, resolve
+from ..checkpoints.save_load import OWN
 from ..errors import UsageError
-from ..front.saving import OWN
 from .config import TrainConfig
-from .resume import FOLDER, describe, head, inherit, resolve
+from .recipe import describe, inherit
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The training step of a user's loop: Multicard.backward, clip_gradients, no_backward_sync, mark_forward and
-autocast (a mixin of Multicard, beside between.py and saving.py)."""
+autocast (a mixin of Multicard, beside ranks.py and checkpoints/save_load.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from ..data import uneven
 from ..errors import UsageError
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 from . import determinism
 from .precision import autocast
 from .prepared import Prepared

@@ -1,4 +1,4 @@
-"""Writing a run's checkpoints in --out/checkpoints: claiming the folder for a run (the earlier runs' checkpoints
+"""Writing the trainer's checkpoints in --out/checkpoints: claiming the folder for a run (the earlier runs' checkpoints
 moved aside, nothing deleted), writing each checkpoint whole, and pruning this run's oldest. The layout and the
 ownership rules are in resume.py's docstring; reading is there too. `out` is --out as the process holds it open
 (outdir.py: /proc/self/fd/N), so every path here is reached through it; lines name it by its own path (shown).
@@ -11,15 +11,13 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .. import safefs
-from ..errors import UsageError
-from ..front.multicard import Multicard
-from ..safefs import shown
-from . import trust
-from .outdir import MARK, drop_half_marked
-from .report import say
+from ..errors import UsageError, say
+from ..safefs import MARK, drop_half_marked, shown
 from .resume import FOLDER, OWNER, newest, owner, read_owner, run_of, same, whole
 
 
@@ -97,12 +95,13 @@ def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
     return place
 
 
-def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int, trusted: str = "") -> None:
+def write(mc: Any, out: str | Path, steps: int, state: dict, keep: int,
+          check: Callable[[int, str, Path], None]) -> None:
     """Every rank: its part of checkpoint step-<steps> (rank 0 the file, every rank its shards under fsdp); then
     rank 0 makes it whole and drops this run's oldest beyond `keep` (0: none dropped). Rank 0 makes step-N.part
     and writes into it through a descriptor held from then on: a folder renamed and replaced meanwhile (by a user
-    who can write into checkpoints/) is never written through, and is not renamed into place. `trusted`:
-    --trust-dir's folders (trust.py)."""
+    who can write into checkpoints/) is never written through, and is not renamed into place. `check(fd, what,
+    folder)`: whose the checkpoints folder held open may be (the trainer's trust.py), before anything is written."""
     folder = Path(out) / FOLDER
     final = folder / f"step-{steps:08d}"
     part = final.with_name(final.name + ".part")
@@ -111,7 +110,7 @@ def write(mc: Multicard, out: str | Path, steps: int, state: dict, keep: int, tr
         safefs.make_folder(folder, f"--out {shown(out)}: {FOLDER}")  # first: claim() records the run there
         run = (owner(out) or {}).get("run") or claim(out, None)
         checkpoints = safefs.Folder.open(folder, f"--out {shown(out)}: {FOLDER}")
-        trust.check_folder(checkpoints.fd, f"--out {shown(out)}: {FOLDER}", folder, trust.trusted(trusted))
+        check(checkpoints.fd, f"--out {shown(out)}: {FOLDER}", folder)
         held = fresh(checkpoints, part, run)
         state = {**state, "run": run}
     mc.barrier()  # under fsdp the other ranks write into the folder rank 0 made (its shards folder, checked)

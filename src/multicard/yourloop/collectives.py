@@ -17,7 +17,7 @@ import torch
 
 from ..data.parts import bounds
 from ..errors import UsageError
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 from ..jobs.trees import children, leaves, rebuild, remake
 from ..strategies import Strategy
 

@@ -1,5 +1,5 @@
-"""Reading a run's checkpoints in --out/checkpoints: which ones are whole and whose, the one --resume names, its
-head checked, and the recipe a resume takes from it. Nothing here writes (saves.py does; start.py decides).
+"""Reading the trainer's checkpoints in --out/checkpoints: which ones are whole and whose, the one --resume names,
+its head checked (the recipe a resume takes from it: trainer/recipe.py). Nothing here writes (saves.py does).
 
 Each checkpoint is a folder, step-<optimizer steps>, holding state.pt (rank 0: model, optimizer, scheduler,
 scaler, the place in the data, the epochs so far, every rank's random streams, the run's id; under fsdp every
@@ -21,17 +21,14 @@ import json
 import math
 import os
 import re
-from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 
 from .. import safefs
-from ..checkpoints import shards, sums
 from ..errors import UsageError
-from ..front.saving import OWN
-from .config import TrainConfig
-from .outdir import MARK
+from . import shards, sums
+from .save_load import OWN
 
 FOLDER = "checkpoints"
 OWNER = "run.json"
@@ -53,7 +50,7 @@ def run_of(checkpoint: Path) -> str | None:
     writes them (None: one written before runs had ids, or a marker that is not multicard's: a link, a FIFO, a
     huge file, text that is not an id; such a checkpoint is kept aside as unnamed, never a path made of it)."""
     try:
-        text = safefs.read_bytes(checkpoint / MARK, safefs.SMALL).decode("ascii").strip()
+        text = safefs.read_bytes(checkpoint / safefs.MARK, safefs.SMALL).decode("ascii").strip()
     except (UsageError, UnicodeDecodeError):
         return None
     return text if RUN_ID.fullmatch(text) else None
@@ -242,66 +239,3 @@ def unsound(raw: dict) -> str | None:
     if not isinstance(raw.get("run", ""), str):
         return "its run id is not text"
     return None
-
-
-# A resumed run is the run it continues: it takes that run's recipe unless a flag says otherwise. These cannot
-# change half-way (the data order, the weights' history and the schedule's state depend on them): given otherwise,
-# they are refused. The global batch is checked by describe(), once it is settled for the job.
-KEPT = ("model", "data", "synthetic_samples", "seed", "augment", "optimizer", "lr", "momentum", "nesterov",
-        "weight_decay", "scheduler", "lr_step", "lr_gamma", "warmup_epochs")
-# these may change on a resume; a change is said in the "resuming from" line (epochs: see inherit)
-CHANGEABLE = ("batch_size", "epochs", "accumulate", "precision", "clip_grad_norm", "sync_bn", "eval_batch_size",
-              "save_every", "save_every_steps", "keep_checkpoints")
-STRETCHED = ("onecycle", "cosine")  # schedules laid over the run's whole length
-
-
-def inherit(path: Path, config: TrainConfig, given: set[str] | None = None) -> TrainConfig:
-    """`config` with the recipe of the run that wrote checkpoint `path` wherever `given` (the fields the user
-    set; default: those that differ from TrainConfig's defaults) does not set it. A given field that the run
-    cannot change is refused in one line naming its flag, and so is --epochs where the run's schedule spans its
-    length (onecycle, cosine: more epochs would train at a rate of 0) or where the run is past it already."""
-    if given is None:
-        default = TrainConfig()
-        given = {f.name for f in fields(TrainConfig) if getattr(config, f.name) != getattr(default, f.name)}
-    given = {name for name in given if getattr(config, name) is not None}  # "auto" given: the run's own
-    raw = head(path)
-    saved = raw["config"]
-    for name in KEPT:
-        if name in given and name in saved and getattr(config, name) != saved[name]:
-            raise UsageError(f"{flag(name)} {getattr(config, name)}: the run in {path.parent} has {flag(name)} "
-                             f"{saved[name]}, which a resume keeps; drop the flag, or start a new run without "
-                             f"--resume")
-    config = replace(config, **{k: saved[k] for k in (*KEPT, *CHANGEABLE) if k in saved and k not in given})
-    if "epochs" in given and saved.get("epochs", config.epochs) != config.epochs:
-        done = raw["loader"]["epoch"] + (raw["loader"]["samples"] > 0)
-        if config.epochs < done:
-            raise UsageError(f"--epochs {config.epochs}: the run in {path.parent} has trained {done} epochs "
-                             f"already; resume with --epochs {done} or more")
-        if config.scheduler in STRETCHED:
-            raise UsageError(f"--epochs {config.epochs}: the run's {config.scheduler} schedule is laid over its "
-                             f"{saved['epochs']} epochs (its rate falls to 0 at their end), so a resume keeps them; "
-                             f"for {config.epochs} epochs start a new run without --resume")
-    return config
-
-
-def describe(path: Path, config: TrainConfig) -> str:
-    """Check that a checkpoint can continue this run (before any process starts); say where it stopped, what
-    this run changes of its recipe, and, for a run that had finished, that nothing is left to train."""
-    raw = head(path)
-    saved = raw["config"]
-    if saved["batch_size"] != config.batch_size:
-        raise UsageError(f"--resume {path}: that run's global batch was {saved['batch_size']}, this one's is "
-                         f"{config.batch_size}: resume with --batch-size {saved['batch_size']} (the data order "
-                         f"continues by global batches)")
-    place, steps = raw["loader"], raw["steps"]
-    changed = [f"{flag(k)} {getattr(config, k)} (it had {saved[k]})" for k in CHANGEABLE
-               if k in saved and getattr(config, k) != saved[k]]
-    also = f"; changed: {', '.join(changed)}" if changed else ""
-    if place["samples"] == 0 and place["epoch"] >= config.epochs:
-        return (f"the run had finished its {place['epoch']} epochs ({steps} optimizer steps): nothing left to "
-                f"train; its files are written again{also}")
-    return f"epoch {place['epoch'] + 1}, {place['samples']} samples in, after {steps} optimizer steps{also}"
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

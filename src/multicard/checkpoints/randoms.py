@@ -2,9 +2,9 @@
 
 Outside fsdp a save is no collective: `if mc.is_main: mc.save(...)` must not wait for ranks that never save, nor
 `if mc.rank == 1: mc.save(...)` for rank 0. The ranks meet through the job's store, where a save is known by its
-file's name and its moment: the optimizer steps this process took (owners.py) and how many saves of that name
-came since. Ranks that save one file at one point of their loop share a moment, so a file never carries streams
-taken at another save (a rank that saves a name more often than rank 0 pairs with nothing).
+file's name and its moment: the optimizer steps this process took (the Multicard counts them) and how many saves
+of that name came since. Ranks that save one file at one point of their loop share a moment, so a file never
+carries streams taken at another save (a rank that saves a name more often than rank 0 pairs with nothing).
 
 - Rank 0 says it saves that moment (a claim), takes the streams the other ranks handed over for it, says it is
   done, and writes the file. It waits for them FIRST_WAIT_S the first time it saves a name, unless no save ever
@@ -30,8 +30,6 @@ from typing import Any
 
 import torch
 
-from . import owners
-
 FIRST_WAIT_S = 3.0  # far longer than ranks that all save are apart; what one save under `if mc.is_main:` costs
 OFFERED, TAKEN, GONE = b"offered", b"taken", b"gone"  # the states of streams handed over
 
@@ -55,8 +53,7 @@ class Handover:
         self.late = 0.0  # the longest the other side was seen late to a save (s)
         self.told = False  # another rank: that its streams came after rank 0 was done was said
 
-    def moment(self, name: str) -> str:
-        steps = owners.steps()
+    def moment(self, name: str, steps: int) -> str:
         last, count = self.at.get(name, (steps, 0))
         self.at[name] = steps, count + 1 if last == steps else 1
         return f"{name}@{steps}.{self.at[name][1]}"
@@ -84,7 +81,7 @@ def handed(mc: Any, path: Path, streams: dict[str, Any] | None) -> tuple[bool, d
         return True, {}
     handover = mc.__dict__.setdefault("_handover", Handover())
     name, most = str(path), mc._strategy.timeout_s / 2
-    moment = handover.moment(name)
+    moment = handover.moment(name, mc._optimizer_steps())
     if mc.is_main:
         return True, _collect(_store(), handover, name, moment, mc.world_size, streams is not None, most)
     return _hand(_store(), handover, name, moment, mc.rank, streams, most), {}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 from ..jobs.trees import values
 from . import owners
 

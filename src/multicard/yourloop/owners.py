@@ -10,7 +10,7 @@ known here, and three things follow:
   their gradients are averaged over the processes in backward, right after each is accumulated, as DDP does for the
   model's (so a GradScaler or a clip sees the same numbers on every rank). One small all-reduce per such parameter
   and backward; none where there is none;
-- every optimizer step of the process is counted: the moment a save is taken at (randoms.py pairs the ranks'
+- every optimizer step of the process is counted: the moment a save is taken at (checkpoints/randoms.py pairs the ranks'
   saves by it).
 
 What torch's own wrappers reduce is nobody's stray: fsdp's DTensors, FSDP1's flat parameters, and the parameters of
@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import UsageError
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 
 _jobs: list = []  # the replica checks of this process's open Multicards on 2+ processes, newest last
 _held = WeakIdKeyDictionary()  # parameter -> True: a set-up model holds it

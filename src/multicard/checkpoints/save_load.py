@@ -3,8 +3,8 @@ its shards folder): the user's objects (models unwrapped, optimizers, schedulers
 plus what the Multicard itself restores: its save count, the fp16 gradient scaler and every process's random
 streams (randoms.py brings the other ranks' to rank 0).
 
-The functions take the Multicard (`mc`) as their first argument (not imported here: multicard.py imports
-this module); its methods are one line each.
+The functions take the Multicard (`mc`) as their first argument (yourloop/multicard.py, a layer above: never
+imported here); the class Checkpoints below is its mixin, one line a method.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from .. import safefs
-from ..checkpoints import plain as checkpoint
-from ..checkpoints import shards, sums
 from ..errors import UsageError
-from . import randoms
+from . import plain as checkpoint
+from . import randoms, shards, sums
 
 OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 

@@ -1,4 +1,4 @@
-"""What the front object hands out between processes: this process's part of what all compute alike, and the
+"""What the Multicard hands out between ranks: this process's part of what all compute alike, and the
 collectives (reductions, gathers, broadcasts of any structure, rank 0 first), printing and logging on rank 0.
 
 Multicard inherits these methods; each is one line over data/parts.py or collectives.py.
@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from ..data import parts, uneven
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 from . import alike, collectives
 from .loggers import scalars
 
 
-class Between:
+class Ranks:
     """Methods of Multicard (uses its _start(), _strategy, rank, world_size, is_main and loggers)."""
 
     # -- this process's part (data/parts.py) ------------------------------------------------------------------

@@ -35,7 +35,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import UsageError
-from ..jobs.slots import watched
+from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
 from .owners import outside

@@ -5,9 +5,9 @@ torchrun), join the process group (here, on first use), wrap the model (`mc.setu
 (`mc.setup_dataloader`). Our own trainer (trainer/loop.py) is written on this object and nothing else.
 
 The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
-spawned processes; prepared.py: the set-up model; precision.py; between.py and collectives.py: parts and
-collectives; steps.py: backward, clipping, no_backward_sync; saving.py: checkpoints; loggers.py;
-memory.py).
+spawned processes; prepared.py: the set-up model; precision.py; ranks.py and collectives.py: parts and
+collectives; steps.py: backward, clipping, no_backward_sync; checkpoints/save_load.py: save and load;
+loggers.py; memory.py).
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..checkpoints.save_load import Checkpoints
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
-from ..jobs import launcher, slots
+from ..jobs import launcher, progress
 from ..jobs.dist import job_from_env
 from ..strategies import Strategy, syncbn
 from . import alike, closure, determinism, memory, owners
-from .between import Between
 from .loggers import make_loggers
 from .precision import PRECISIONS
 from .prepared import Prepared
 from .processes import launched, make_strategy
+from .ranks import Ranks
 from .replicas import ReplicaCheck, Replicas
-from .saving import Checkpoints
 from .steps import Steps
 
 
-class Multicard(Between, Checkpoints, Replicas, Steps):
+class Multicard(Ranks, Checkpoints, Replicas, Steps):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -64,7 +64,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     parted (replicas.py). The same mode governs the seams: an optimizer step over parameters no set-up model
     holds (owners.py), and mc.local on batches the processes drew apart, compared every K calls (alike.py). None:
     multicard run's --replica-check / --replica-check-every, else the defaults.
-    deterministic: the same bits run after run on a card too (front/determinism.py; process-wide, set at once):
+    deterministic: the same bits run after run on a card too (yourloop/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.
     """
@@ -147,7 +147,7 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
         if self.job.launched or self._strategy.processes == 1:
             self._start()
             try:
-                with slots.plainly():  # torch's error, read in one line where multicard knows it
+                with progress.plainly():  # torch's error, read in one line where multicard knows it
                     return fn(self, *args)
             finally:
                 self.close()
@@ -279,6 +279,10 @@ class Multicard(Between, Checkpoints, Replicas, Steps):
     def _loader_batch(self, batch: int, accumulate: int = 1) -> int:
         hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
         return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint, accumulate)
+
+    def _optimizer_steps(self) -> int:
+        """What a save's moment is known by (checkpoints/randoms.py): this process's optimizer steps."""
+        return owners.steps()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""
