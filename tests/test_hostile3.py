@@ -224,12 +224,12 @@ def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
     data = next(p for p in folder.iterdir() if p.name != ".metadata")
     data.unlink()
     os.mkfifo(data)  # a shard DCP would open and wait on
-    done = bounded(f"from pathlib import Path\nfrom multicard.checkpoints import shards\n"
+    done = bounded(f"from pathlib import Path\nfrom multicard.checkpoints import shards_read\n"
                    f"from multicard.errors import UsageError\n"
                    f"where = Path({str(folder)!r})\nshards.metadata(where)\n"
-                   f"try:\n    shards.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
+                   f"try:\n    shards_read.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
                    f"(where / '.metadata').rename(where / 'm')\nimport os\nos.mkfifo(where / '.metadata')\n"
-                   f"try:\n    shards.metadata(where)\nexcept UsageError as e:\n    print(e)")
+                   f"try:\n    shards_read.metadata(where)\nexcept UsageError as e:\n    print(e)")
     assert f"{data.name} is a fifo, not a file DCP writes" in done.stdout, done.stderr
     assert ".metadata: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
 
@@ -237,7 +237,7 @@ def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
 # -- memory: nothing read whole that is larger than its kind ---------------------------------------------------------
 @pytest.mark.parametrize("what", ["sparse", "zero"])
 def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
-    from multicard.checkpoints import shards
+    from multicard.checkpoints import shards_read
 
     (tmp_path / "s").mkdir()
     if what == "sparse":
@@ -246,7 +246,7 @@ def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
     else:
         os.symlink("/dev/zero", tmp_path / "s" / ".metadata")
     with pytest.raises(UsageError, match=r"\.metadata: is (\d+ bytes, more than|a link)"):
-        shards.metadata(tmp_path / "s")
+        shards_read.metadata(tmp_path / "s")
 
 
 # -- tracebacks become one line ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import nn
 
 import multicard
 from conftest import tiny_images
-from multicard.checkpoints import saves, shards
+from multicard.checkpoints import saves, shards, shards_read
 from multicard.errors import UsageError
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import Report
@@ -205,6 +205,6 @@ def test_a_planted_value_in_shards_is_refused_without_torchs_advice(tmp_path):
     torch.save(Planted(), value)
     value.seek(0)
     with pytest.raises(UsageError) as refused:
-        shards.planner().load_bytes(None, value)
+        shards_read.planner().load_bytes(None, value)
     assert "system" in str(refused.value) and "weights_only" not in str(refused.value)
     assert "False" not in str(refused.value) and not (tmp_path / "ran").exists()

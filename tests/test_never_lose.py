@@ -14,7 +14,7 @@ import torch
 
 import multicard
 from conftest import shown, tiny_images
-from multicard.checkpoints import resume, saves, shards
+from multicard.checkpoints import resume, saves, shards_read
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 from multicard.trainer.outdir import FILES, Output
@@ -118,13 +118,13 @@ def test_a_planted_shards_metadata_is_refused_and_never_run(tmp_path):
 
     folder, marker = tmp_path / "state.shards-1", tmp_path / "ran"
     dcp.save({"w": torch.ones(3)}, checkpoint_id=folder, no_dist=True)
-    assert shards.metadata(folder).state_dict_metadata.keys() == {"w"}  # a genuine one reads
+    assert shards_read.metadata(folder).state_dict_metadata.keys() == {"w"}  # a genuine one reads
     (folder / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     with pytest.raises(UsageError, match=r"\.metadata is refused \(posix\.system is not among the types"):
-        shards.metadata(folder)
+        shards_read.metadata(folder)
     target = {"w": torch.zeros(3)}
     with pytest.raises(BaseException, match="posix.system"):  # DCP reads through the same reader
-        dcp.load(target, storage_reader=shards.reader(folder), planner=shards.planner(), no_dist=True)
+        dcp.load(target, storage_reader=shards_read.reader(folder), planner=shards_read.planner(), no_dist=True)
     assert not marker.exists()
 
 
@@ -135,7 +135,7 @@ def test_a_planted_value_in_the_shards_is_refused(tmp_path):
     torch.save(Planted(tmp_path / "ran"), buffer)
     buffer.seek(0)
     with pytest.raises(UsageError, match="does not load"):
-        shards.planner().load_bytes(None, buffer)
+        shards_read.planner().load_bytes(None, buffer)
     assert not (tmp_path / "ran").exists()
 
 

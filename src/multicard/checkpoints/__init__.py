@@ -4,7 +4,8 @@ back. The Multicard (yourloop/) and the trainer (trainer/) call these; nothing h
 - plain.py: one file, written atomically and read with weights_only (multicard.save / load), models unwrapped,
   random streams; the entry points for any state_dict.
 - sums.py: each file's checksums, recorded at save and checked at load: damage is named, never unpickled.
-- shards.py: fsdp's sharded folders (torch.distributed.checkpoint), their metadata read through an allow-list.
+- shards.py: fsdp's sharded folders (torch.distributed.checkpoint), each rank its part, written through folders
+  held open; shards_read.py: read back through an allow-list (nothing a planted file holds runs).
 - save_load.py: a user's loop's mc.save / mc.load / mc.state_dict (the Multicard's Checkpoints methods).
 - randoms.py: every rank's random streams into the one file of an mc.save; no save on any rank dropped.
 - resume.py: the trainer's checkpoints in --out/checkpoints, read: which are whole, whose, which --resume names.

@@ -59,17 +59,13 @@ def run_of(checkpoint: Path) -> str | None:
 def owner(out: str | Path) -> dict | None:
     """checkpoints/run.json: {"run": the id of the run these checkpoints belong to, "from": the checkpoint it
     started from or None}; None where no run has claimed the folder (a new --out, or an older version's) or
-    where run.json does not say (ownerless() says why). A run.json that is not a regular file (a FIFO, a
+    where run.json does not say (read_owner() says why). A run.json that is not a regular file (a FIFO, a
     folder, a link) or too large to be multicard's is one line."""
     return read_owner(out)[0]
 
 
-def ownerless(out: str | Path) -> str | None:
-    """What is wrong with a run.json there that names no run (None: there is none, or it names one)."""
-    return read_owner(out)[1]
-
-
 def read_owner(out: str | Path) -> tuple[dict | None, str | None]:
+    """owner(), and what is wrong with a run.json there that names no run (None: there is none, or it names one)."""
     path = Path(out) / FOLDER / OWNER
     if safefs.kind(path) is None:
         return None, None

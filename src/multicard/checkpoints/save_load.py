@@ -3,8 +3,8 @@ its shards folder): the user's objects (models unwrapped, optimizers, schedulers
 plus what the Multicard itself restores: its save count, the fp16 gradient scaler and every process's random
 streams (randoms.py brings the other ranks' to rank 0).
 
-The functions take the Multicard (`mc`) as their first argument (yourloop/multicard.py, a layer above: never
-imported here); the class Checkpoints below is its mixin, one line a method.
+Checkpoints is a mixin of the Multicard (yourloop/multicard.py, a layer above: never imported here); the
+functions beside it take the Multicard (`mc`) as their first argument.
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from . import randoms, shards, sums
 OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
-def state_dict(mc: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    module = mc.unwrap(model)
-    return mc._strategy.model_state(module) if mc.sharded else checkpoint.plain_state(module)
 
 
 def _checked(what: str, state: Any) -> None:
@@ -36,29 +33,6 @@ def _checked(what: str, state: Any) -> None:
                          f"objects; e.g. mc.{what}(path, {{'model': model, 'optimizer': optimizer}})")
 
 
-def save(mc: Any, path: str | Path, state: dict[str, Any]) -> None:
-    _checked("save", state)
-    path = Path(path)
-    if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
-        if randoms.handed(mc, safefs.shown(path), None)[0]:  # rank 0, or a rank whose save rank 0 does not share
-            checkpoint.save_state(path, state)
-        return
-    mc._saves += 1
-    own = {"save": mc._saves, "world": mc.world_size, "rng": checkpoint.rng_state()}
-    if mc.sharded:
-        state, own["shards"], others = _sharded(mc, path, state, own["rng"])
-        writes = mc.is_main
-    else:
-        writes, others = randoms.handed(mc, safefs.shown(path), own["rng"])
-    if writes:
-        own["ranks"] = others  # rank: its random streams, for every other rank that handed them over
-        if mc.rank:  # a rank that saved without rank 0: "rng" is its own
-            own["rank"] = mc.rank
-        if mc.scaler is not None:
-            own.update(scaler=mc.scaler.state_dict(), skipped=mc.skipped_steps)
-        checkpoint.save_state(path, {**state, OWN: own})
-        if mc.sharded:
-            shards.drop_older(path, own["shards"]["folder"])
 
 
 def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple[dict, dict, dict[int, Any]]:
@@ -89,34 +63,6 @@ def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple
     return rest, info, {r: got for r, (got, _) in enumerate(kept) if r}
 
 
-def load(mc: Any, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    if state is not None:
-        _checked("load", state)
-    path = Path(path)
-    head = checkpoint.read(path)  # read once: the objects below are restored from it
-    info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
-    if state is None:
-        raw = head
-    elif info is not None and not mc.sharded:
-        raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
-                         f"strategy fsdp (its model.pt holds the whole model for any strategy)")
-    elif info is None and mc.sharded and isinstance(head, dict) and OWN in head and \
-            any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
-        raise UsageError(f"checkpoint {path}: written without fsdp, its optimizers' state is whole, not in shards: "
-                         f"resume it with the strategy that wrote it (its model alone loads under fsdp too)")
-    elif info is not None:
-        models, optimizers = shards.split(state)
-        shards.load(path, info, state, mc.unwrap, lambda where: _sound(mc, path, where, info.get("sums")))
-        rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
-        raw = checkpoint.load_state(path, rest, raw=head)
-        state.update(rest)  # the plain values read
-    else:
-        raw = checkpoint.load_state(path, state, lambda module, weights: _load_module(mc, module, weights), head)
-    own = raw.pop(OWN, None) if isinstance(raw, dict) else None
-    if own is not None:
-        _restore(mc, path, own)
-    mc._replicas.loaded(path, state)
-    return raw
 
 
 def _sound(mc: Any, path: Path, where: Path, recorded: Any) -> None:
@@ -177,7 +123,8 @@ class Checkpoints:
         """The model's whole, plain state_dict on the CPU (no wrapper prefixes): what model.pt holds. Under fsdp
         the shards are gathered onto rank 0 (every rank must call it; the others get {})."""
         self._start()
-        return state_dict(self, model)
+        module = self.unwrap(model)
+        return self._strategy.model_state(module) if self.sharded else checkpoint.plain_state(module)
 
     def save(self, path: str | Path, state: dict[str, Any]) -> None:
         """Write {name: model, optimizer, scheduler, set-up loader, or any value} to `path`, as a checkpoint to
@@ -191,7 +138,28 @@ class Checkpoints:
         Under fsdp every rank writes its shards of the model and optimizers (torch.distributed.checkpoint) into a
         folder beside `path`, so there every rank must call it."""
         self._start()
-        save(self, path, state)
+        _checked("save", state)
+        path = Path(path)
+        if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
+            if randoms.handed(self, safefs.shown(path), None)[0]:  # rank 0, or a rank whose save rank 0 does not share
+                checkpoint.save_state(path, state)
+            return
+        self._saves += 1
+        own = {"save": self._saves, "world": self.world_size, "rng": checkpoint.rng_state()}
+        if self.sharded:
+            state, own["shards"], others = _sharded(self, path, state, own["rng"])
+            writes = self.is_main
+        else:
+            writes, others = randoms.handed(self, safefs.shown(path), own["rng"])
+        if writes:
+            own["ranks"] = others  # rank: its random streams, for every other rank that handed them over
+            if self.rank:  # a rank that saved without rank 0: "rng" is its own
+                own["rank"] = self.rank
+            if self.scaler is not None:
+                own.update(scaler=self.scaler.state_dict(), skipped=self.skipped_steps)
+            checkpoint.save_state(path, {**state, OWN: own})
+            if self.sharded:
+                shards.drop_older(path, own["shards"]["folder"])
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
@@ -201,4 +169,30 @@ class Checkpoints:
         order goes on where it stopped (same global batch; fsdp's shards are resharded), and dropout's random
         streams start afresh (the built-in datasets' augmentation is keyed by sample and goes on)."""
         self._start()
-        return load(self, path, state)
+        if state is not None:
+            _checked("load", state)
+        path = Path(path)
+        head = checkpoint.read(path)  # read once: the objects below are restored from it
+        info = head.get(OWN, {}).get("shards") if isinstance(head, dict) and isinstance(head.get(OWN), dict) else None
+        if state is None:
+            raw = head
+        elif info is not None and not self.sharded:
+            raise UsageError(f"checkpoint {path}: written under fsdp, its model is in shards: load it with "
+                             f"strategy fsdp (its model.pt holds the whole model for any strategy)")
+        elif info is None and self.sharded and isinstance(head, dict) and OWN in head and \
+                any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
+            raise UsageError(f"checkpoint {path}: written without fsdp, its optimizers' state is whole, not in shards: "
+                             f"resume it with the strategy that wrote it (its model alone loads under fsdp too)")
+        elif info is not None:
+            models, optimizers = shards.split(state)
+            shards.load(path, info, state, self.unwrap, lambda where: _sound(self, path, where, info.get("sums")))
+            rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
+            raw = checkpoint.load_state(path, rest, raw=head)
+            state.update(rest)  # the plain values read
+        else:
+            raw = checkpoint.load_state(path, state, lambda module, weights: _load_module(self, module, weights), head)
+        own = raw.pop(OWN, None) if isinstance(raw, dict) else None
+        if own is not None:
+            _restore(self, path, own)
+        self._replicas.loaded(path, state)
+        return raw

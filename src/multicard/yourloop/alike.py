@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
 from ..jobs.progress import watched
 from ..jobs.trees import values
 from . import owners
@@ -47,11 +46,7 @@ def cut(batch: Any) -> None:
                 f"processes do not take one process's step; seed every process alike before drawing the batch "
                 f"(torch.manual_seed(0) at the top of the script, and random.seed / numpy's where the batch uses "
                 f"them), or let mc.setup_dataloader(loader) deal it")
-        if job.mode == "stop":
-            raise UsageError(line)
-        _state["warned"] = True
-        if job.strategy.is_main:
-            print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
+        owners.stop_or_warn(job, line, _state)
 
 
 def forwarded(inputs: Any, training: bool) -> None:

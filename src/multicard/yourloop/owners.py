@@ -175,8 +175,14 @@ def _say_unowned(optimizer: torch.optim.Optimizer, found: list[torch.Tensor]) ->
             f"them up, model, optimizer = mc.setup(model, optimizer) (for an optimizer built after setup, "
             f"mc.setup_optimizers(optimizer)); where each process should train its own, "
             f"Multicard(replica_check='off')")
+    stop_or_warn(job, line, _state)
+
+
+def stop_or_warn(job: Any, line: str, state: dict) -> None:
+    """As the replica check `job` is set: `line` stops the job ("stop"), or is a warning said once, on rank 0
+    ("warn"; state["warned"] then keeps it from being said again)."""
     if job.mode == "stop":
         raise UsageError(line)
-    _state["warned"] = True
+    state["warned"] = True
     if job.strategy.is_main:
         print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
