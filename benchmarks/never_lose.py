@@ -66,6 +66,7 @@ import multicard
 from multicard.checkpoints import resume
 from multicard.models import LeNet5
 from multicard.tools.bench_report import commit
+from multicard.trainer.recipe import describe
 
 SEED = 20240611  # the random instants (and which worker) are reproducible from it
 MC = [sys.executable, "-m", "multicard", "train"]
@@ -248,7 +249,7 @@ def accepts(out: Path) -> dict:
         path = resume.resolve("auto", out)
         if path is None:
             return {"accepted": False, "why": "no whole checkpoint"}
-        where = resume.describe(path, WRITE_BATCH)
+        where = describe(path, WRITE_BATCH)
         raw = torch.load(path, map_location="cpu", weights_only=True)
         LeNet5().load_state_dict(raw["model"])  # strict: every name and shape
         missing = [k for k in ("optimizer", "scheduler", "loader", "history", "steps") if k not in raw]

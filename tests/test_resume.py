@@ -378,8 +378,8 @@ def test_a_plain_state_dict_is_saved_plain(tmp_path):
 
 
 def test_an_auto_batch_and_rate_resume_as_the_checkpoint_had_them(tmp_path):
-    from multicard.checkpoints.resume import inherit
     from multicard.trainer.config import TrainConfig
+    from multicard.trainer.recipe import inherit
 
     path = tmp_path / "state.pt"
     torch.save({"config": {"batch_size": 256, "lr": 0.008, "epochs": 2}, "loader": {"epoch": 0, "samples": 768},
