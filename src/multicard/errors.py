@@ -1,4 +1,6 @@
-"""The one exception a user sees as a single line instead of a traceback, and the one line said without stopping."""
+"""The one exception a user sees as a single line instead of a traceback, and the lines said without stopping."""
+
+import sys
 
 
 class UsageError(Exception):
@@ -15,3 +17,8 @@ def say(line: str) -> None:
     from tqdm import tqdm  # only where something is said
 
     tqdm.write(f"multicard: {line}")
+
+
+def note(line: str) -> None:
+    """A line for the user on stderr, at once (a warning, a rank's last word before it ends)."""
+    print(f"multicard: {line}", file=sys.stderr, flush=True)

@@ -23,12 +23,13 @@ prints nothing (torch's own timed wait has C++ warn twice).
 from __future__ import annotations
 
 import io
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..errors import note
 
 FIRST_WAIT_S = 3.0  # far longer than ranks that all save are apart; what one save under `if mc.is_main:` costs
 OFFERED, TAKEN, GONE = b"offered", b"taken", b"gone"  # the states of streams handed over
@@ -115,11 +116,11 @@ def _collect(store: Any, handover: Handover, name: str, moment: str, world: int,
     handover.late = max(handover.late, waited) if got else handover.late
     missing = [str(r) for r in others if r not in got]
     if said and before is None and not got and wait:  # said once where rank 0 saves alone
-        say(f"{name}: no other rank saved it along with rank 0 within {wait:g} s (a save under `if mc.is_main:`, "
+        note(f"{name}: no other rank saved it along with rank 0 within {wait:g} s (a save under `if mc.is_main:`, "
             f"or a file per rank?): it holds rank 0's random streams; a rank that loads it starts its own afresh")
     elif said and missing and before:
         who = f"rank{'s' * (len(missing) > 1)} {', '.join(missing)}"
-        say(f"{name}: {who} did not hand over their random streams within {wait:g} s: on load they start afresh")
+        note(f"{name}: {who} did not hand over their random streams within {wait:g} s: on load they start afresh")
     return got
 
 
@@ -148,7 +149,7 @@ def _hand(store: Any, handover: Handover, name: str, moment: str, rank: int, str
         store.set(f"l/{name}/{rank}", b"1")
         if streams is not None and not handover.told:
             handover.told = True
-            say(f"rank {rank}: {name}: rank 0 wrote it before this rank's random streams came: on load they "
+            note(f"rank {rank}: {name}: rank 0 wrote it before this rank's random streams came: on load they "
                 f"start afresh (rank 0 waits for them from its next save of it on)")
     return False
 
@@ -175,7 +176,3 @@ def _until(test: Any, seconds: float) -> tuple[bool, float]:
             return False, time.monotonic() - start
         time.sleep(min(pause, left))
         pause = min(2 * pause, 0.02)
-
-
-def say(line: str) -> None:
-    print(f"multicard: {line}", file=sys.stderr, flush=True)

@@ -9,7 +9,6 @@ functions beside it take the Multicard (`mc`) as their first argument.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import safefs
-from ..errors import UsageError
+from ..errors import UsageError, note
 from . import plain as checkpoint
 from . import randoms, shards, sums
 
@@ -89,9 +88,9 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
         mc._skipped.fill_(own["skipped"])
     if own["world"] != mc.world_size:
         if mc.is_main:
-            print(f"multicard: {path} was written by {own['world']} processes, this job has "
-                  f"{mc.world_size}: the data order and each sample's augmentation go on; dropout's random "
-                  f"streams start afresh", file=sys.stderr, flush=True)
+            note(f"{path} was written by {own['world']} processes, this job has "
+                 f"{mc.world_size}: the data order and each sample's augmentation go on; dropout's random "
+                 f"streams start afresh")
         return
     writer = own.get("rank", 0)  # whose streams "rng" holds
     if mc.rank == writer:
@@ -100,8 +99,8 @@ def _restore(mc: Any, path: Path, own: dict[str, Any]) -> None:
         if mc.rank in own["ranks"]:
             checkpoint.set_rng_state(own["ranks"][mc.rank])
         else:
-            print(f"multicard: rank {mc.rank}: {path} holds no random streams of this rank (rank {writer} saved "
-                  f"without them): they start afresh", file=sys.stderr, flush=True)
+            note(f"rank {mc.rank}: {path} holds no random streams of this rank (rank {writer} saved "
+                 f"without them): they start afresh")
     else:  # written before one file held every rank's streams: each rank's beside it
         _restore_beside(mc, path, own)
 
@@ -110,8 +109,8 @@ def _restore_beside(mc: Any, path: Path, own: dict[str, Any]) -> None:
     mine = checkpoint.rank_file(path, mc.rank)
     part = checkpoint.read_small(mine) if safefs.kind(mine) == "file" else None  # never through a link
     if part is None or part.get("save") != own["save"]:
-        print(f"multicard: rank {mc.rank}: {mine} is missing or from another save: this rank's random "
-              f"streams start afresh", file=sys.stderr, flush=True)
+        note(f"rank {mc.rank}: {mine} is missing or from another save: this rank's random "
+             f"streams start afresh")
         return
     checkpoint.set_rng_state(part["rng"])
 

@@ -6,7 +6,6 @@ process, each keeping its slice of every batch."""
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs import lifeline
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
@@ -283,7 +282,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if device_data in (None, "auto"):
         device_data, why = on_card(dataset.tensors, device) if whole_batches else (False, "")
         if why and rank == 0:
-            print(f"multicard: {why}", file=sys.stderr, flush=True)
+            note(why)
     if device_data and not whole_batches:
         raise UsageError("device_data=True needs a TensorDataset, the default collate_fn and no seed_per_sample")
     if whole_batches and (device_data or loader.num_workers == 0):

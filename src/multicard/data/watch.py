@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs.progress import explain_with
 
 _forwards = [0]  # forwards of a set-up model in this process
@@ -41,10 +41,10 @@ def skipped_twice(epoch: int, served: int, counts: str) -> None:
     if "skip" in _told:
         return
     _told.add("skip")
-    print(f"multicard: this loader was put back at its place by mc.load ({served} {counts} into epoch {epoch + 1}) "
-          f"and its first batches are passed over with no forward of the set-up model: if the script skips the "
-          f"batches it had served itself (islice, skip_first_batches, `if i < start: continue`), drop that skip, "
-          f"or they are skipped twice", file=sys.stderr, flush=True)
+    note(f"this loader was put back at its place by mc.load ({served} {counts} into epoch {epoch + 1}) "
+         f"and its first batches are passed over with no forward of the set-up model: if the script skips the "
+         f"batches it had served itself (islice, skip_first_batches, `if i < start: continue`), drop that skip, "
+         f"or they are skipped twice")
 
 
 def dealt(global_batch: int | None, mine: int) -> None:

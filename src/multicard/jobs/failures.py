@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+from ..errors import note
+
 
 class RankFailed(Exception):
     """Rank `rank` of a job failed: `trace` is its traceback, or, where there is none to show, a sentence
@@ -62,7 +64,7 @@ def uncaught_ends_as_signal() -> None:
             previous(kind, error, trace)
             return
         if error.signum != signal.SIGPIPE:  # a closed stdout (`| head`) ends a program without a word
-            print(f"multicard: stopped by {error}; every rank was stopped", file=sys.stderr, flush=True)
+            note(f"stopped by {error}; every rank was stopped")
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:

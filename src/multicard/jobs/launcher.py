@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from . import closed, failures, jobdir, lifeline, progress, shipping, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
@@ -245,20 +245,19 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                 return closed.SIGPIPE_EXIT
             kind, text = told(folder, rank)
             if kind == "usage":  # the same bad input on every rank: said once
-                print(f"multicard: error: {text}", file=sys.stderr)
+                note(f"error: {text}")
                 return 2
             blamed = parted(rank, {r: p.poll() for r, p in enumerate(procs)}, folder) or \
                 blame(rank, {r: p.pid for r, p in enumerate(procs) if r != rank and p.poll() is None}, folder, nprocs)
             if blamed:
-                print(f"multicard: {blamed[1]}; every rank was stopped", file=sys.stderr)
+                note(f"{blamed[1]}; every rank was stopped")
             else:
                 others = "; the other ranks were stopped" if nprocs > 1 else ""
-                print(f"multicard: rank {rank} failed with {_how(code)} (its output is above){others}",
-                      file=sys.stderr)
+                note(f"rank {rank} failed with {_how(code)} (its output is above){others}")
             return 128 - code if code < 0 else code
         except Stopped as e:
             stopping = e.signum  # passed on as it came: the script sees its KeyboardInterrupt on Ctrl-C, as alone
-            print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
+            note(f"stopped by {e}; every rank was stopped")
             return 128 + e.signum
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short

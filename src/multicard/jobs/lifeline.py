@@ -7,10 +7,11 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
+
+from ..errors import note
 
 LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # our launcher names itself here: a process whose parent it is not is no rank
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
@@ -86,8 +87,7 @@ def end_if_orphaned(rank: int) -> None:
     """End this process now, with one line, where its launcher is gone: the job it belonged to has ended, and
     nothing it would do from here (a checkpoint, publishing the run) is wanted."""
     if orphaned():
-        print(f"multicard: rank {rank}: its launcher (pid {_parent}) is gone; this rank ends", file=sys.stderr,
-              flush=True)
+        note(f"rank {rank}: its launcher (pid {_parent}) is gone; this rank ends")
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -8,10 +8,10 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 
+from ..errors import note
 from . import dist, progress
 
 STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
@@ -210,5 +210,5 @@ def terminate(procs: list[subprocess.Popen], signum: int = signal.SIGTERM) -> No
 
 
 def _left_behind(rank: int, pid: int) -> None:
-    print(f"multicard: rank {rank} (pid {pid}) did not end on SIGKILL: it is frozen in the kernel (a cgroup "
-          f"freezer?) and ends once thawed; not waiting for it", file=sys.stderr)
+    note(f"rank {rank} (pid {pid}) did not end on SIGKILL: it is frozen in the kernel (a cgroup "
+         f"freezer?) and ends once thawed; not waiting for it")

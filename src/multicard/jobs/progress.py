@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from . import closed
 from .lifeline import inherited
 
@@ -130,8 +130,7 @@ def hook_failures() -> None:
         if isinstance(error, UsageError):
             tell_launcher("usage", str(error))
         elif lost_peer(error):
-            print(f"multicard: rank {os.environ.get('RANK')} lost another rank ({LOST.search(str(error)).group()})",
-                  file=sys.stderr)
+            note(f"rank {os.environ.get('RANK')} lost another rank ({LOST.search(str(error)).group()})")
         else:
             previous(kind, error, trace)
 
@@ -160,8 +159,7 @@ def progress_slot() -> memoryview | list[float]:
         if path and not inherited():
             mapped = _map_slot(path)
             if mapped is None:
-                print(f"multicard: {PROGRESS}={path} is not a progress file a multicard launcher made; ignored",
-                      file=sys.stderr)
+                note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
             slot = slot if mapped is None else mapped
         _slot = slot
     return _slot

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from . import closed, lifeline, progress, shipping, streams
 from .dist import listed
 from .failures import Stopped
@@ -142,9 +142,9 @@ def _watch_threads(rank: int) -> None:
     def end() -> None:
         if left := _running():
             names, several = listed([repr(t.name) for t in left]), len(left) > 1
-            print(f"multicard: rank {rank}: fn returned, but its thread{'s' * several} {names} still ran {timeout:g} "
-                  f"s later (the job's timeout); this rank ended without {'them' if several else 'it'}: join threads "
-                  f"before fn returns, or start them with daemon=True", file=sys.stderr, flush=True)
+            note(f"rank {rank}: fn returned, but its thread{'s' * several} {names} still ran {timeout:g} "
+                 f"s later (the job's timeout); this rank ended without {'them' if several else 'it'}: join threads "
+                 f"before fn returns, or start them with daemon=True")
             os._exit(0)
 
     watch = threading.Timer(timeout, end)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
-import sys
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs import dist
 from ..jobs.devices import Devices, rehearsal
 from ..jobs.dist import Job
@@ -46,7 +45,7 @@ class DDP(Strategy):
             raise UsageError(f"local rank {job.local_rank} has no card: {self.devices.count} visible here; start "
                              f"one process per card, or show each process one card")
         if self.devices.shared and job.rank == 0:  # said before anything that could wait on the others
-            print(f"multicard: {rehearsal(self.devices)}", file=sys.stderr, flush=True)
+            note(rehearsal(self.devices))
         super().start(job)
         if torch_dist.is_initialized():  # another Multicard (or the script itself) joined the job already
             _check_group(job, self.devices)

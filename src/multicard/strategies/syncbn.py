@@ -5,12 +5,12 @@ Without it, each process normalises by its own part's statistics: the one line o
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..errors import note
 
 
 class _Sync(torch.autograd.Function):
@@ -102,7 +102,7 @@ def say_unsynced(model: nn.Module, processes: int, main: bool) -> None:
     if processes < 2 or not layers or not main or _SAID:
         return
     _SAID.append(True)
-    print(f"multicard: {type(model).__name__} has {layers} BatchNorm layer{'s' * (layers > 1)} and trains on "
-          f"{processes} processes: each normalises by the statistics of its own 1/{processes} of the batch, not the "
-          f"whole batch's as one process does; Multicard(sync_batchnorm=True) (multicard train --sync-bn) makes them "
-          f"the whole batch's", file=sys.stderr, flush=True)
+    note(f"{type(model).__name__} has {layers} BatchNorm layer{'s' * (layers > 1)} and trains on "
+         f"{processes} processes: each normalises by the statistics of its own 1/{processes} of the batch, not the "
+         f"whole batch's as one process does; Multicard(sync_batchnorm=True) (multicard train --sync-bn) makes them "
+         f"the whole batch's")

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 
 if TYPE_CHECKING:
     from ..strategies import Strategy
@@ -42,19 +42,16 @@ def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
     env = ranks_env(strategy.processes, {**job_choice(strategy), **replicas_env(args),
                                          **(determinism.environment() if args.deterministic else {})})
     if not args.quiet:
-        if strategy.processes == 1 and (note := misplaced(args.script, args.args, own_flags)):
-            say(note)
-        say(start_line(args.script, strategy, env))
+        if strategy.processes == 1 and (wrong := misplaced(args.script, args.args, own_flags)):
+            note(wrong)
+        note(start_line(args.script, strategy, env))
     code = run_command([sys.executable, *command], strategy.processes, env)
     if code == 0 and not args.quiet:  # a failure has said its own line
         n = strategy.processes
-        say(f"done: {args.script} ended well on {n} process{'es' * (n > 1)} in {time.monotonic() - started:.1f} s "
+        note(f"done: {args.script} ended well on {n} process{'es' * (n > 1)} in {time.monotonic() - started:.1f} s "
             f"(exit status 0)")
     return code
 
-
-def say(line: str) -> None:
-    print(f"multicard: {line}", file=sys.stderr, flush=True)
 
 
 def start_line(script: str, strategy: Strategy, env: dict[str, str]) -> str:

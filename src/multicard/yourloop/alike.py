@@ -14,11 +14,11 @@ where it can be seen cheaply (on 2+ processes; the replica check's mode governs 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
+from ..errors import note
 from ..jobs.progress import watched
 from ..jobs.trees import values
 from . import owners
@@ -60,10 +60,10 @@ def forwarded(inputs: Any, training: bool) -> None:
     _state["first"] = False
     if _alike(job.strategy, _tensors(inputs)) and not _state["dealt"] and job.strategy.is_main:
         world = job.strategy.world
-        print(f"multicard: warning: the set-up model's first training batch is the same in every process, and no "
-              f"set-up loader or mc.local cut it: each process reads every batch ({world} processes take one "
-              f"process's steps at {world} times its work); pass the loader through mc.setup_dataloader(loader), "
-              f"or cut a batch you build with mc.local(batch)", file=sys.stderr, flush=True)
+        note(f"warning: the set-up model's first training batch is the same in every process, and no "
+             f"set-up loader or mc.local cut it: each process reads every batch ({world} processes take one "
+             f"process's steps at {world} times its work); pass the loader through mc.setup_dataloader(loader), "
+             f"or cut a batch you build with mc.local(batch)")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

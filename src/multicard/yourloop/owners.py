@@ -20,7 +20,6 @@ a DistributedDataParallel or FullyShardedDataParallel the script built itself (l
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs.progress import watched
 
 _jobs: list = []  # the replica checks of this process's open Multicards on 2+ processes, newest last
@@ -185,4 +184,4 @@ def stop_or_warn(job: Any, line: str, state: dict) -> None:
         raise UsageError(line)
     state["warned"] = True
     if job.strategy.is_main:
-        print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
+        note(f"warning: {line}")

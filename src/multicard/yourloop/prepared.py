@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoints.plain import unprefixed
 from ..data import uneven, watch
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs.trees import values
 from . import alike, determinism
 from .precision import to_fp32
@@ -207,9 +206,8 @@ class Prepared(nn.Module):
             global _WARNED
             if self._paused and not _WARNED:
                 _WARNED = True
-                print("multicard: a backward inside no_backward_sync reduced the gradients anyway: under ddp the "
-                      "forward decides, and its forward ran outside the context; run the forward inside it too",
-                      file=sys.stderr, flush=True)
+                note("a backward inside no_backward_sync reduced the gradients anyway: under ddp the "
+                     "forward decides, and its forward ran outside the context; run the forward inside it too")
 
         tensor.register_hook(check)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import weakref
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
@@ -218,7 +217,7 @@ class ReplicaCheck:
         if self.mode == "warn":
             self.warned = True  # said once: they stay parted, and the automatic checks stop
             if self.strategy.is_main:
-                print(f"multicard: warning: {line}", file=sys.stderr, flush=True)
+                note(f"warning: {line}")
             return False
         raise ReplicasParted(line)
 
@@ -231,9 +230,9 @@ class ReplicaCheck:
                 continue
             self.told.add(label)
             if self.strategy.is_main:
-                print(f"multicard: note: the replica check compares {label} by the type of its "
-                      f"{', '.join(sorted(set(blind)))} alone: its repr names its address, which differs between "
-                      f"processes", file=sys.stderr, flush=True)
+                note(f"note: the replica check compares {label} by the type of its "
+                     f"{', '.join(sorted(set(blind)))} alone: its repr names its address, which differs between "
+                     f"processes")
 
 class Replicas:
     """The method of Multicard (uses its _start() and _replicas)."""
