@@ -152,16 +152,19 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
 
 
 SESSIONS = """
-import os, time
+import os, sys, time
 import multicard
 
 mc = multicard.Multicard()
-print(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}", flush=True)
+# one write a line (print writes the text and its newline apart, unbuffered): the ranks' lines never interleave
+sys.stdout.write(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}\\n")
+sys.stdout.flush()
 try:
     while True:
         time.sleep(0.01)
 except KeyboardInterrupt:
-    print(f"rank {mc.rank}: KeyboardInterrupt", flush=True)
+    sys.stdout.write(f"rank {mc.rank}: KeyboardInterrupt\\n")
+    sys.stdout.flush()
 """
 
 
