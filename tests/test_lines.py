@@ -167,6 +167,7 @@ def test_lbfgs_under_fsdp_is_refused_at_setup_and_at_its_first_step_in_one_line(
 
 
 # -- a launch without the __main__ guard --------------------------------------------------------------------------
+@pytest.mark.slow  # the same line through train (which launches): test_hostile7.py, in the default suite
 def test_a_launch_at_the_top_level_of_a_script_is_one_line_saying_what_to_add(tmp_path):
     done = run(script(tmp_path, """
         import multicard
