@@ -306,9 +306,9 @@ def test_a_save_on_any_rank_is_written_with_the_streams_of_that_save(world, tmp_
     assert "socket.cpp" not in err and "[W" not in err  # no C++ warning of a store wait that ran out
     alone = [lines(s) for s in found["alone_said"]]  # one line, once, for three new names
     assert alone == ([[]] if world == 1 else [[
-        f"multicard: {tmp_path / 'best0.pt'}: no other rank saved it along with rank 0 within {WAIT_S:g} s (a save under `if "
-        f"mc.is_main:`, or a file per rank?): it holds rank 0's random streams; a rank that loads it starts its own "
-        f"afresh"]] + [[]] * (world - 1))
+        f"multicard: {tmp_path / 'best0.pt'}: no other rank saved it along with rank 0 within {WAIT_S:g} s (a save "
+        f"under `if mc.is_main:`, or a file per rank?): it holds rank 0's random streams; a rank that loads it starts "
+        f"its own afresh"]] + [[]] * (world - 1))
     assert found["plain_there"]
     for rank, ((came, step), said) in enumerate(found["last_rank"]):
         assert step == 0
