@@ -152,16 +152,19 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, runs, name):
 
 
 SESSIONS = """
-import os, time
+import os, sys, time
 import multicard
 
 mc = multicard.Multicard()
-print(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}", flush=True)
+# one write a line (print writes the text and its newline apart, unbuffered): the ranks' lines never interleave
+sys.stdout.write(f"rank {mc.rank} leads a session of its own: {os.getsid(0) == os.getpid()}\\n")
+sys.stdout.flush()
 try:
     while True:
         time.sleep(0.01)
 except KeyboardInterrupt:
-    print(f"rank {mc.rank}: KeyboardInterrupt", flush=True)
+    sys.stdout.write(f"rank {mc.rank}: KeyboardInterrupt\\n")
+    sys.stdout.flush()
 """
 
 
@@ -174,7 +177,7 @@ def test_run_ranks_lead_sessions_of_their_own_and_hear_ctrl_z_and_ctrl_c_through
     (tmp_path / "job.py").write_text(SESSIONS)
     job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "job.py"], cwd=tmp_path,
                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=lambda: dispositions(False))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in job.stdout], daemon=True).start()
     ranks = []
@@ -254,7 +257,7 @@ def test_multicard_run_names_a_frozen_rank(tmp_path):
                       "    if step == 20 and mc.rank == 1:\n        os.kill(os.getpid(), signal.SIGSTOP)\n")
     out = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(script)], cwd=ROOT,
                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=lambda: dispositions(False))
     try:
         err = out.communicate(timeout=HUNG_S)[1]
         assert out.returncode != 0

@@ -61,7 +61,7 @@ def test_something_else_at_master_port_ends_within_the_timeout(job_env, serve):
         with pytest.raises(UsageError, match=rf"^rendezvous at 127.0.0.1:{port}: rank 1 of 2: something listens "
                                              r"there but does not answer as the job's store \(RANK/WORLD_SIZE"):
             dist.rendezvous(Job(1, 2, launcher="torchrun"), 2)
-        assert time.monotonic() - start < 2 + 3
+        assert time.monotonic() - start < 2 + 60  # the timeout, not forever (torch's client waits without limit)
 
 
 def test_a_process_a_rank_started_is_no_rank_of_that_job():
@@ -127,7 +127,7 @@ def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch
         outcome.terminate([Frozen()])
     else:
         outcome.stop([Frozen()], 0.2)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 60  # its 0.2 s graces, not forever (a busy machine may take seconds)
     assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
 
 

@@ -225,8 +225,10 @@ def test_a_master_addr_where_no_store_answers_shows_none_of_torchs_cpp_log():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT,
                           env=clean_env(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
     assert done.stdout.startswith(f"rendezvous at 127.0.0.1:{port}: rank 1 of 2 found no rank 0 there within 2 s")
-    assert done.stdout.count("\n") == 1 and float(done.stderr) < 2 * 2  # the timeout, not torch's twice over it
-    # (timed inside the process: its start, importing torch, takes 10 s and more on a busy machine)
+    # the line is multicard's own wait for a listener (torch's client retries for twice the timeout, each retry a
+    # C++ warning, and says other words): it waited the timeout out, and ends with it (timed inside the process,
+    # whose start, importing torch, takes 10 s and more on a busy machine; the upper bound only catches a hang)
+    assert done.stdout.count("\n") == 1 and 2 <= float(done.stderr) < 60, done.stderr
 
 
 # -- what a rank starts itself ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from conftest import HUNG_S, run_cli
 from multicard.errors import UsageError
 from multicard.jobs import jobdir, shipping, streams
 from multicard.trainer.config import TrainConfig
-from test_faults import clean_env
+from test_faults import clean_env, dispositions
 
 CATCH = """
 import sys
@@ -126,7 +126,7 @@ def test_ctrl_c_while_the_ranks_import_torch_is_one_line(tmp_path, how):
         command = [sys.executable, "-"]
     launcher = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=tmp_path, env={**clean_env(), "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: dispositions(False))  # hears Ctrl-C
     if how == "stdin":
         launcher.stdin.write((tmp_path / "job.py").read_text())
     launcher.stdin.close()
@@ -167,6 +167,7 @@ def test_lbfgs_under_fsdp_is_refused_at_setup_and_at_its_first_step_in_one_line(
 
 
 # -- a launch without the __main__ guard --------------------------------------------------------------------------
+@pytest.mark.slow  # the same line through train (which launches): test_hostile7.py, in the default suite
 def test_a_launch_at_the_top_level_of_a_script_is_one_line_saying_what_to_add(tmp_path):
     done = run(script(tmp_path, """
         import multicard

@@ -246,7 +246,7 @@ print(type(out).__name__, type(out) is Doubled, int(out.value))
 """
 
 
-@pytest.mark.parametrize("how", ["-", "-c"])
+@pytest.mark.parametrize("how", [pytest.param("-", marks=pytest.mark.slow), "-c"])  # `python -`: the test below
 def test_python_dash_and_dash_c_launch(how, tmp_path):
     command = [sys.executable, "-"] if how == "-" else [sys.executable, "-c", SCRIPT]
     done = subprocess.run(command, input=SCRIPT if how == "-" else None, capture_output=True, text=True,

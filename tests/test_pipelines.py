@@ -130,7 +130,7 @@ def test_the_users_generator_is_the_one_consumed():
     assert torch.equal(loader.generator.get_state(), plain.generator.get_state())
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_n_processes_take_the_steps_of_the_plain_script(world):
     ours, refused = multicard.launch(ddp_regressions, strategy="ddp", devices=f"cpu:{world}")
     assert "this loader serves each process other batches" in refused[0]

@@ -231,6 +231,7 @@ def test_the_recipe_flags_on_the_command_line(tmp_path):
     assert 0 < second["lr"] < first["lr"] < 0.05  # a half-epoch's warm-up, then the cosine down
 
 
+@pytest.mark.slow  # the library's line: test_train.py; here through a fresh interpreter's CLI
 def test_a_loss_that_blows_up_is_one_line_naming_lr(tmp_path):
     out = run_cli("train", "--lr", "100", "--data", "synthetic", "--synthetic-samples", "256", "--epochs", "2",
                   "--quiet", "--out", str(tmp_path))

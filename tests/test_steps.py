@@ -169,9 +169,9 @@ class Recorded(nn.Module):
         return Output(self.linear(x))
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3])
+@pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request) -> list[dict]:
-    workers = 2 if request.param == 3 else 0  # DataLoader workers in every process of the 3-process job
+    workers = 2 if request.param > 1 else 0  # DataLoader workers in every process of the jobs of several
     return multicard.launch(steps_job, workers, strategy="ddp", devices=f"cpu:{request.param}")
 
 
@@ -267,7 +267,8 @@ def test_the_threads_each_rank_gets(monkeypatch):
     assert devices.omp_threads(3, {}) == {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("nprocs, given", [(1, None), (2, None), (3, "2")])
+@pytest.mark.parametrize("nprocs, given", [pytest.param(1, None, marks=pytest.mark.slow), (2, None),
+                                           pytest.param(3, "2", marks=pytest.mark.slow)])  # a given one: above
 def test_multicard_run_sets_omp_num_threads_for_each_rank(tmp_path, monkeypatch, nprocs, given):
     script = tmp_path / "threads.py"
     script.write_text(SCRIPT)

@@ -151,7 +151,7 @@ def script_job(mc: Multicard, folder: str) -> list[dict]:
     return mc.gather(out)
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp(f"script{request.param}")
     with pytest.MonkeyPatch.context() as patch:
