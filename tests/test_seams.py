@@ -256,7 +256,7 @@ def back(mc: Multicard, path: Path, saved: dict[int, torch.Tensor]) -> tuple[obj
 
 
 def saves_job(mc: Multicard, folder: str) -> dict:
-    from multicard.front import randoms
+    from multicard.checkpoints import randoms
 
     randoms.FIRST_WAIT_S = WAIT_S
     folder, rank, last = Path(folder), mc.rank, mc.world_size - 1
