@@ -226,7 +226,7 @@ def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
     os.mkfifo(data)  # a shard DCP would open and wait on
     done = bounded(f"from pathlib import Path\nfrom multicard.checkpoints import shards_read\n"
                    f"from multicard.errors import UsageError\n"
-                   f"where = Path({str(folder)!r})\nshards.metadata(where)\n"
+                   f"where = Path({str(folder)!r})\nshards_read.metadata(where)\n"
                    f"try:\n    shards_read.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
                    f"(where / '.metadata').rename(where / 'm')\nimport os\nos.mkfifo(where / '.metadata')\n"
                    f"try:\n    shards_read.metadata(where)\nexcept UsageError as e:\n    print(e)")
