@@ -118,12 +118,14 @@ def test_a_failing_rank_stops_the_job_and_shows_its_traceback(tmp_path):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_bad_input_seen_only_inside_a_process_stays_one_line(tmp_path):
     with pytest.raises(multicard.UsageError, match="rank 1 finds this input bad"):
         multicard.train(RefusesOnRank1(), tiny_images(32), None, strategy="ddp", devices="cpu:2", epochs=1,
                         batch_size=16, out=str(tmp_path), **FAST)
 
 
+@pytest.mark.slow
 def test_cli_names_the_failing_rank(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
@@ -140,6 +142,7 @@ def test_cli_names_the_failing_rank(tmp_path):
     assert "ChildFailedError" not in out.stderr
 
 
+@pytest.mark.slow
 def test_the_launch_picks_no_port_in_advance(tmp_path, monkeypatch):
     def picked(*args):
         raise AssertionError("a port picked in advance can be taken before rank 0 binds it")

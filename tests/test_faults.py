@@ -224,6 +224,7 @@ def test_a_launcher_killed_outright_takes_its_workers_along(tmp_path, runs, when
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_sigint_to_one_worker_fails_the_job_naming_it(tmp_path, runs):
     run = runs(tmp_path / "out")
     run.training()

@@ -99,6 +99,7 @@ def test_a_rank_that_leaves_inside_rank_zero_first_is_the_one_named(tmp_path):
                                                    "for it in a collective"), done.stderr
 
 
+@pytest.mark.slow
 def test_an_iterable_dataset_serving_one_rank_more_batches_names_both_counts(tmp_path):
     done = run_job(tmp_path, """
         from torch.utils.data import DataLoader, IterableDataset
@@ -119,6 +120,7 @@ def test_an_iterable_dataset_serving_one_rank_more_batches_names_both_counts(tmp
         "reads whole (an IterableDataset, a batch sampler) must serve each process as many batches"), done.stderr
 
 
+@pytest.mark.slow
 def test_a_collective_timeout_the_user_catches_names_the_rank_that_stopped(tmp_path):
     done = run_job(tmp_path, """
         mc.barrier()
@@ -169,6 +171,7 @@ def test_ranks_told_different_world_sizes_are_one_line_each(tmp_path):
     assert said[1][0].startswith(f"{where}rank 0 has WORLD_SIZE=2 but rank 1 has WORLD_SIZE=3") and not said[1][1]
 
 
+@pytest.mark.slow
 def test_a_stale_rank_pointed_at_a_live_jobs_store_is_refused_at_once(tmp_path):
     """A shell that kept a job's RANK=1 and MASTER_PORT joins while that job runs: refused in one line at once
     (it waited out the timeout, then gloo's traceback), and the live job goes on untouched."""

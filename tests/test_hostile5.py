@@ -136,6 +136,7 @@ def fsdp_saves_job(mc, folder: str) -> dict:
     return {"named": named, "refused": refused}
 
 
+@pytest.mark.slow
 def test_fsdp_saves_keep_what_the_user_had_beside_the_checkpoint(tmp_path):
     (tmp_path / "ckpt.shards-mybackup").mkdir()
     (tmp_path / "ckpt.shards-mybackup" / "notes.txt").write_text("precious")

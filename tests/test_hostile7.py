@@ -378,6 +378,7 @@ def sigterm_ends_the_library_job(tmp_path: Path, how: str, processes: int) -> No
         assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and not list((tmp_path / "out").glob(".run-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_train_call_and_its_ranks_as_the_signal_would(tmp_path):
     sigterm_ends_the_library_job(tmp_path, "train", 2)
 
@@ -413,6 +414,7 @@ def head_of_multicard_run(tmp_path: Path, processes: int) -> None:
     assert gone(lambda: left(tmp_path), 10)
 
 
+@pytest.mark.slow
 def test_multicard_run_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
     head_of_multicard_run(tmp_path, 2)
 

@@ -51,6 +51,7 @@ def run(command: list[str], tmp_path, timeout: float = HUNG_S, **kw) -> subproce
 
 
 # -- a return value that cannot come back -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_return_value_that_cannot_be_pickled_is_one_line_naming_it_and_the_work_is_kept(tmp_path):
     done = run(script(tmp_path, """
         import threading, multicard

@@ -76,6 +76,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_the_example_notebook_runs_and_two_processes_match_one(tmp_path):
     nb = nbformat.read(os.path.join(ROOT, "examples", "notebook.ipynb"), as_version=4)
     nb.cells.append(new_code_cell("import json; print(json.dumps({'gap': gap, 'one': one['correct'], "
@@ -88,6 +89,7 @@ def test_the_example_notebook_runs_and_two_processes_match_one(tmp_path):
     assert numbers["gap"] < 1e-4 and numbers["one"] == numbers["two"] > 800
 
 
+@pytest.mark.slow
 def test_a_kernel_that_used_torch_launches_and_gets_the_weights_of_one_process(kernel):
     kernel.run("""
         torch.manual_seed(0)
@@ -130,6 +132,7 @@ def test_a_kernel_that_used_torch_launches_and_gets_the_weights_of_one_process(k
     assert same_class == "True" and float(gap) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_failing_rank_shows_its_traceback_once_and_the_kernel_goes_on(kernel):
     cell = kernel.run("""
         def fails_on_one(mc):
@@ -276,6 +279,7 @@ print("total", multicard.launch(job, devices="cpu:2"))
 """
 
 
+@pytest.mark.slow
 def test_a_dataset_class_from_main_reaches_the_ranks_dataloader_workers(tmp_path):
     done = subprocess.run([sys.executable, "-"], input=WORKERS, capture_output=True, text=True, timeout=HUNG_S,
                           cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -38,6 +38,7 @@ def every_rank_job(mc, folder: str) -> dict:
     return {"files": files, "back": mc.gather(back), "before": mc.gather(before)}
 
 
+@pytest.mark.slow
 def test_every_ranks_streams_go_into_the_one_file_and_come_back(tmp_path, capfd):
     found = multicard.launch(every_rank_job, str(tmp_path), strategy="ddp", devices="cpu:2")
     assert found["files"] == ["ckpt.pt"]
@@ -83,6 +84,7 @@ def mixed_job(mc, folder: str) -> dict:
     return {"last": mc.gather(streams_back(mc, folder / "last.pt", saved))}
 
 
+@pytest.mark.slow
 def test_last_on_every_rank_and_best_on_rank_0_alone_neither_stalls_nor_loses_streams(tmp_path, capfd):
     """Saves counted per file name: rank 0's saves of best.pt alone never make it wait for the other ranks'
     last.pt (which would hold up their next collective until the timeout)."""

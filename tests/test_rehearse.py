@@ -280,6 +280,7 @@ def test_the_probe_says_every_stage_and_checks_the_steps_against_one_process():
     assert lines[-1] == "probe: every stage passed"
 
 
+@pytest.mark.slow
 def test_a_stage_that_hangs_is_named_and_every_process_killed():
     r = probe("--hang-in", "device", "--stage-timeout", "5")  # the first stage after start (which has 120 s)
     assert r.returncode == 1, r.stdout + r.stderr

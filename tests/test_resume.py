@@ -123,6 +123,7 @@ class DiesOnce(LeNet5):
         return super().forward(x)
 
 
+@pytest.mark.slow
 def test_a_dead_process_is_restarted_from_the_newest_checkpoint(ddp, tmp_path, capsys):
     torch.manual_seed(0)
     summary = multicard.train(DiesOnce(str(tmp_path / "died")), tiny_images(96), tiny_images(30, 1),
