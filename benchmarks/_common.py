@@ -113,3 +113,16 @@ def report(benchmark: str, column: str, heading: str, rates: dict[str, list[floa
                "best_samples_per_s": best, "runs_samples_per_s": rates, "test_accuracy": accs,
                "multicard_summary_samples_per_s_all_epochs": summary_rates, "settings": settings,
                "hardware": hardware, "torch": torch.__version__}, note="\n")
+
+
+def spin(n: int, new_session: bool = False) -> list[subprocess.Popen]:
+    """n processes spinning on a core each, as other people's work on a shared machine (new_session: each in a
+    session of its own, as work started elsewhere is; else in this one, as `cmd &` from the user's shell)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=new_session)
+            for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()

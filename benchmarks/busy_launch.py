@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import machine, save
+from _common import machine, save, spin, stop
 
 LOOP = str(Path(__file__).with_name("_busy_loop.py"))
 BIN = Path(sys.executable).parent
@@ -60,17 +60,6 @@ def run(command: list[str], steps: int, timeout: float) -> dict:
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return {"wall_s": wall, "loop_s": float(said[0][1]), "cpu_s": cpu, "threads": int(said[0][3]),
             "load": os.getloadavg()[0]}
-
-
-def spin(n: int, same_session: bool) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=not same_session)
-            for _ in range(n)]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def spread(runs: list[dict], key: str) -> tuple[float, float, float] | None:
@@ -108,7 +97,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for n in loads:
-            spinners = spin(n, args.same_session)
+            spinners = spin(n, new_session=not args.same_session)
             try:
                 time.sleep(1 if n else 0)  # the spinners are running before the first command starts
                 for name in order:

@@ -29,7 +29,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from _common import machine, save
+from _common import machine, save, spin, stop
 
 ARMS = {"torch default": {"GOMP_SPINCOUNT": "300000"}, "one thread": {"OMP_NUM_THREADS": "1"}, "multicard": {}}
 CLEARED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # this shell's own choices
@@ -50,16 +50,6 @@ def run(arm: str, epochs: int, timeout: float) -> dict:
         summary = json.loads((Path(out) / "summary.json").read_text())
     return {"wall_s": wall, "train_s": sum(r["seconds"] for r in rows), "load": os.getloadavg()[0],
             "test_loss": summary["test_loss"], "test_accuracy": summary["test_accuracy"]}
-
-
-def spin(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 def median(runs: list[dict], key: str) -> float | None:

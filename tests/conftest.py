@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from multicard.data.images import ImageData
 from multicard.data.loaders import shard
+from multicard.yourloop import determinism
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # how long a process a test starts may run before it is taken for hung: no test fails because the machine is busy
@@ -41,6 +42,18 @@ def tiny_images(n: int = 96, seed: int = 0) -> ImageData:
         r, c = divmod(y, 5)
         images[i, 0, 4 + 10 * r: 12 + 10 * r, 2 + 5 * c: 6 + 5 * c] = 255
     return ImageData(images, labels, 0.2, 0.3)
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    """Deterministic mode is process-wide: a test that sets it leaves torch and the environment as it found them."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+              torch.backends.cudnn.deterministic)
+    monkeypatch.delenv(determinism.CUBLAS, raising=False)
+    monkeypatch.delenv(determinism.ENV, raising=False)
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1:]
 
 
 @pytest.fixture

@@ -19,16 +19,7 @@ from multicard.yourloop import determinism
 WORKSPACE = determinism.WORKSPACE
 
 
-@pytest.fixture(autouse=True)
-def restored(monkeypatch):
-    """Deterministic mode is process-wide: each test leaves torch and the environment as it found them."""
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
-              torch.backends.cudnn.deterministic)
-    monkeypatch.delenv(determinism.CUBLAS, raising=False)
-    monkeypatch.delenv(determinism.ENV, raising=False)
-    yield
-    torch.use_deterministic_algorithms(before[0])
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1:]
+pytestmark = pytest.mark.usefixtures("restored")  # conftest: deterministic mode put back after each test
 
 
 def settings(mc: multicard.Multicard) -> list:

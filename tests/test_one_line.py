@@ -16,20 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 import multicard
 from conftest import run_cli
 from multicard.errors import UsageError
-from multicard.yourloop import determinism
 from multicard.yourloop.multicard import Multicard
-
-
-@pytest.fixture
-def restored(monkeypatch):
-    """Deterministic mode is process-wide: the test leaves torch and the environment as it found them."""
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
-              torch.backends.cudnn.deterministic)
-    monkeypatch.delenv(determinism.CUBLAS, raising=False)
-    monkeypatch.delenv(determinism.ENV, raising=False)
-    yield
-    torch.use_deterministic_algorithms(before[0])
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[1:]
 
 
 def unpooled(x: torch.Tensor) -> torch.Tensor:
