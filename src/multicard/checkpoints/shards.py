@@ -99,9 +99,7 @@ def save(where: safefs.Folder, state: dict[str, Any], unwrap) -> tuple[dict[str,
     models, optimizers = split(state)
     try:
         dcp.save(sharded_state({k: unwrap(m) for k, m in models.items()}, optimizers), checkpoint_id=where.via)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException: every rank gets every rank's trace
-        if not isinstance(e, (Exception, CheckpointException)):
-            raise
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException: every rank gets every rank's trace
         raise UsageError(f"cannot write {where.shown} ({written(e)}); the checkpoint before it is as it was") \
             from None
     rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
@@ -153,9 +151,7 @@ def load(path: Path, info: dict[str, Any], state: dict[str, Any], unwrap,
         dcp.load(target, storage_reader=reader(where, most, crc), planner=planner())
     except UsageError:
         raise
-    except BaseException as e:  # a missing or damaged folder, or shards of another model (DCP's
-        if not isinstance(e, (Exception, CheckpointException)):  # CheckpointException is a BaseException)
-            raise
+    except (Exception, CheckpointException) as e:  # a missing or damaged folder, or shards of another model
         raise UsageError(f"checkpoint {path}: its shards in {info['folder']} cannot be read into this model "
                          f"({first_failure(e)})") from None
     for k, module in models.items():

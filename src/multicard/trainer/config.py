@@ -194,6 +194,7 @@ class TrainConfig:
                                    ("--save-every-steps", self.save_every_steps, 0),
                                    ("--keep-checkpoints", self.keep_checkpoints, 0),
                                    ("--max-restarts", self.max_restarts, 0),
+                                   ("--synthetic-samples", self.synthetic_samples, 1),
                                    ("--replica-check-every", self.replica_check_every, 1)):
             if value < least:
                 raise UsageError(f"{flag} {value}: must be at least {least}")
@@ -202,8 +203,6 @@ class TrainConfig:
                              f"process on this machine ({os.cpu_count()} CPU cores); 0 to 2 per core is plenty")
         if not -2**63 <= self.seed < 2**63:  # what torch's generators take
             raise UsageError(f"--seed {self.seed}: out of range (from {-2**63} to {2**63 - 1})")
-        if self.synthetic_samples < 1:
-            raise UsageError(f"--synthetic-samples {self.synthetic_samples}: must be at least 1")
         check_timeout(self.timeout)
         for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma)):
             if not 0 < value < math.inf:  # also refuses nan

@@ -34,8 +34,6 @@ class Output:
     --out is touched. `trusted`: --trust-dir's folders (trust.py)."""
 
     def __init__(self, out: str, trusted: str = ""):
-        if not out:
-            raise UsageError("--out '': name a folder (it is created if missing)")
         self.path = path = Path(out)
         self.cleaned = False
         if path.exists() and not path.is_dir():

@@ -40,7 +40,6 @@ class Report:
 
     def __init__(self, run: Path | None, config: TrainConfig, title: str = ""):
         self.run, self.config, self.active, self.title = run, config, run is not None, title
-        self.history: list[dict] = []
         self.warned: set[int | str] = set()  # stragglers named once (the epoch line goes on showing the lag)
 
     def epoch(self, history: list[dict]) -> None:
@@ -49,7 +48,6 @@ class Report:
         if not self.active:
             return
         (self.run / "metrics.jsonl").write_text("".join(json.dumps(strict(r)) + "\n" for r in history))
-        self.history = history
         record = history[-1]
         if self.config.quiet:
             return

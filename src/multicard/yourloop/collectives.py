@@ -73,11 +73,6 @@ def all_reduce(strategy: Strategy, value: Any, op: str = "sum") -> Any:
     return rebuild(value, iter(out))
 
 
-def gather(strategy: Strategy, obj: Any) -> list:
-    """Every process's `obj` (anything picklable, nested structures of tensors included), in rank order."""
-    return strategy.gather(obj)
-
-
 def broadcast(strategy: Strategy, obj: Any, src: int = 0) -> Any:
     """Process `src`'s `obj` on every process (anything picklable; tensors land on the device each process's
     own `obj` was on, or this process's device where its `obj` is not a tensor)."""

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from ..jobs.trees import values
+
 MB = 2**20
 
 
@@ -46,19 +48,8 @@ def shard_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     shapes, so exact on any device (CPU, card, meta) and not disturbed by the allocator or other processes."""
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    state = [] if optimizer is None else [t for s in optimizer.state.values() for t in _tensors(s)]
+    state = [] if optimizer is None else [t for t in values(optimizer.state) if isinstance(t, torch.Tensor)]
     return {"params": _held(params), "grads": _held(grads), "optimizer": _held(state)}
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in an optimizer's per-parameter state (a dict, possibly of lists or dicts)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _held(tensors: list[torch.Tensor]) -> int:

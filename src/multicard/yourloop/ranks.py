@@ -58,7 +58,7 @@ class Ranks:
         every process."""
         self._start()
         with watched():
-            return collectives.gather(self._strategy, obj)
+            return self._strategy.gather(obj)
 
     def gather_in_order(self, outputs: Any, total: int | None = None) -> Any:
         """Per-sample outputs from every process, in order on every process: of an evaluation loader (train=False;
