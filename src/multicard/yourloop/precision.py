@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,20 +23,30 @@ def autocast(device_type: str, precision: str) -> contextlib.AbstractContextMana
 
 def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: torch.Tensor) -> None:
     """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
-    the loop keeps calling optimizer.step(); `skipped` counts the steps skipped. A bound method still, so LR
+    the loop keeps calling optimizer.step(); `skipped` counts the steps skipped."""
+
+    def scaled(plain: Callable, *args: Any, **kwargs: Any) -> Any:
+        before = scaler._scale.clone()
+        out = scaler.step(optimizer, *args, **kwargs)
+        scaler.update()
+        skipped.add_(scaler._scale < before)  # backed off: this step was skipped (no host sync)
+        return out
+
+    wrap_step(optimizer, scaled)
+
+
+def wrap_step(optimizer: torch.optim.Optimizer, around: Callable) -> None:
+    """optimizer.step(...) becomes around(plain step, ...), once per call of the loop's: a call that comes back
+    while it runs (GradScaler.step calls optimizer.step itself) is the plain step. A bound method still, so LR
     schedulers can wrap it as usual."""
     plain, busy = optimizer.step, []
 
-    def step(opt, *args, **kwargs):
-        if busy:  # GradScaler.step calls optimizer.step itself: that is the plain step
+    def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if busy:
             return plain(*args, **kwargs)
         busy.append(True)
         try:
-            before = scaler._scale.clone()
-            out = scaler.step(opt, *args, **kwargs)
-            scaler.update()
-            skipped.add_(scaler._scale < before)  # backed off: this step was skipped (no host sync)
-            return out
+            return around(plain, *args, **kwargs)
         finally:
             busy.clear()
 

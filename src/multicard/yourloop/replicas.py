@@ -39,6 +39,7 @@ from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
 from .owners import outside
 from .parted import ReplicasParted, explain, meet, unlike
+from .precision import wrap_step
 
 MODES = ("stop", "warn", "off")
 EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
@@ -128,22 +129,13 @@ class ReplicaCheck:
         self.optimizers.append(optimizer)
         if not self.active:
             return
-        plain, busy = optimizer.step, []
 
-        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if busy:  # fp16: GradScaler.step calls optimizer.step itself; one call of the loop's is one step
-                return plain(*args, **kwargs)
-            busy.append(True)
-            try:
-                out = plain(*args, **kwargs)
-            finally:
-                busy.clear()
+        def counted(plain: Any, *args: Any, **kwargs: Any) -> Any:  # fp16: one call of the loop's is one step
+            out = plain(*args, **kwargs)
             self.stepped()
             return out
 
-        if hasattr(plain, "_wrapped_by_lr_sched"):
-            step._wrapped_by_lr_sched = True
-        optimizer.step = step.__get__(optimizer)
+        wrap_step(optimizer, counted)
 
     def _any_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's post-step hook, for every optimizer in the process: counts those over a set-up model that
