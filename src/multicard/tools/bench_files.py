@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import safefs
 from .bench_report import held, markdown, rows, unit
 
 
@@ -92,9 +93,7 @@ def write(report: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.md", out / "bench.png"]
     for path, text in zip(paths[:2], (json.dumps(report, indent=2) + "\n", markdown(report) + "\n"), strict=True):
-        tmp = path.with_suffix(path.suffix + ".part")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        safefs.write_file(path, text.encode())
     tmp = paths[2].with_name("bench.part.png")
     plot(report, tmp)
     os.replace(tmp, paths[2])

@@ -54,7 +54,7 @@ def turn_on() -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def check(error: RuntimeError) -> None:
+def check(error: BaseException) -> None:
     """Raise multicard's one line where `error` is torch refusing an op that has no deterministic version; return
     otherwise (the caller re-raises the error as it was)."""
     said = refused(error)

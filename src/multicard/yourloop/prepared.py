@@ -70,8 +70,7 @@ class Prepared(nn.Module):
                 with torch.autocast(device_type, dtype):
                     out = to_fp32(self.forward_module(*args, **kwargs))
         except (RuntimeError, ValueError) as error:  # said in one line, or under torch's message
-            if isinstance(error, RuntimeError):  # an op with no deterministic version: one line
-                determinism.check(error)
+            determinism.check(error)  # an op with no deterministic version: one line
             if self._strategy is not None:  # ddp: a parameter that got no gradient in the last backward
                 self._strategy.explain(error, self.module)
             watch.explain(error)  # a shape naming the global batch; an empty evaluation batch
