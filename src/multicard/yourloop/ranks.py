@@ -1,7 +1,7 @@
 """What the Multicard hands out between ranks: this process's part of what all compute alike, and the
 collectives (reductions, gathers, broadcasts of any structure, rank 0 first), printing and logging on rank 0.
 
-Multicard inherits these methods; each is one line over data/parts.py or collectives.py.
+Multicard inherits these methods; each is one line over data/parts.py, collectives.py or the strategy.
 """
 
 from __future__ import annotations
