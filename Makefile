@@ -20,9 +20,11 @@ setup: $(BIN)/multicard
 train: setup
 	$(BIN)/multicard train
 
+# two pytest workers, a test file each at a time (a file's module fixtures run once): a job's ranks spend much of
+# their time waiting (imports, rendezvous, a rank that fails on purpose), and the other file's job runs meanwhile
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # the slow end-to-end tests as well (CI runs these after make test)
 test-all: test
