@@ -35,9 +35,7 @@ def kind(path: Path) -> str | None:
     """What is at `path` itself (a link is not followed): "file", "folder", "link", "fifo", ... or None."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "link"),
                        (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"),
@@ -240,10 +238,8 @@ class Folder:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit its modules may be gone: the system closes it
             self.close()
-        except Exception:  # at interpreter exit the modules it uses may be gone; the system closes it then
-            pass
 
 
 def marked(folder: Path) -> bool:
