@@ -206,16 +206,8 @@ class Folder:
     def write(self, name: str, fill: Callable[[IO[bytes]], object]) -> None:
         """`name` here as one whole: fill(file) writes a fresh temporary (O_EXCL, never through a link), which is
         then renamed over `name` (a link or a file planted there is replaced, never written through)."""
-        for _ in range(100):
-            tmp = temporary_name(name)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
-                             dir_fd=self.fd)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(f"{self.shown}: no free temporary name")
+        tmp = temporary_name(name)  # 48 random bits: no name planted in advance is this one
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=self.fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 fill(f)
