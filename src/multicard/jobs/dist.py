@@ -146,8 +146,7 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     lifeline.tie_forks()
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
         lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
-    slot = progress_slot()
-    slot[1] = timeout_s
+    progress_slot()[1] = timeout_s
     progress()
     hook_failures()
     store = rendezvous(job, timeout_s)
