@@ -35,9 +35,7 @@ def kind(path: Path) -> str | None:
     """What is at `path` itself (a link is not followed): "file", "folder", "link", "fifo", ... or None."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except NotADirectoryError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "link"),
                        (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"),
@@ -208,16 +206,8 @@ class Folder:
     def write(self, name: str, fill: Callable[[IO[bytes]], object]) -> None:
         """`name` here as one whole: fill(file) writes a fresh temporary (O_EXCL, never through a link), which is
         then renamed over `name` (a link or a file planted there is replaced, never written through)."""
-        for _ in range(100):
-            tmp = temporary_name(name)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
-                             dir_fd=self.fd)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(f"{self.shown}: no free temporary name")
+        tmp = temporary_name(name)  # 48 random bits: no name planted in advance is this one
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=self.fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 fill(f)
@@ -240,10 +230,8 @@ class Folder:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit its modules may be gone: the system closes it
             self.close()
-        except Exception:  # at interpreter exit the modules it uses may be gone; the system closes it then
-            pass
 
 
 def marked(folder: Path) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
+from ..jobs.devices import group_folders
+
 CGROUP = Path("/sys/fs/cgroup")
 SELF = Path("/proc/self/cgroup")  # which group this process is in, per hierarchy
 # (folder under CGROUP, file holding the limit, file holding what is used): v2 first, then v1's memory controller
@@ -37,27 +39,11 @@ def groups() -> int | None:
     """The least room left under the memory limit of this process's control group or of any group above it."""
     room = []
     for sub, limit_file, used_file in FILES:
-        for folder in group_folders(sub):
+        for folder in group_folders(CGROUP / sub, sub, SELF):
             limit, used = number(folder / limit_file), number(folder / used_file)
             if limit is not None and used is not None and limit < 1 << 60:  # v1 says "no limit" as ~2**63
                 room.append(max(0, limit - used))
     return min(room) if room else None
-
-
-def group_folders(sub: str) -> list[Path]:
-    """The folders of this process's group in one hierarchy, from its own up to the root of the mount."""
-    root, controller = CGROUP / sub, "memory" if sub else ""
-    try:
-        lines = SELF.read_text().splitlines()
-    except OSError:
-        lines = []
-    own = next((parts[2] for parts in (line.split(":", 2) for line in lines)
-                if len(parts) == 3 and controller in parts[1].split(",")), "/")
-    folders, folder = [root], root / own.strip("/")
-    while folder != root and root in folder.parents:
-        folders.append(folder)
-        folder = folder.parent
-    return folders
 
 
 def number(path: Path) -> int | None:

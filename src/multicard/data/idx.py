@@ -126,15 +126,11 @@ def wrong_size(path: Path, shape: tuple[int, ...], size: int, at_least: bool = F
 
 
 def find(folder: Path, stem: str) -> Path | None:
-    for name in (stem, stem + ".gz"):
-        if (folder / name).is_file():
-            return folder / name
-    return None
+    return next((folder / name for name in (stem, stem + ".gz") if (folder / name).is_file()), None)
 
 
 def load_split(folder: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    image_stem, label_stem = SPLITS[split]
-    image_path, label_path = find(folder, image_stem), find(folder, label_stem)
+    image_path, label_path = (find(folder, stem) for stem in SPLITS[split])
     images = read_idx(image_path, IMAGES_MAGIC)
     labels = read_idx(label_path, LABELS_MAGIC)
     if len(images) != len(labels):

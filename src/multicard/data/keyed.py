@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -43,12 +44,10 @@ def per_sample(value: Any) -> bool | int:
 def the_seed(seed_per_sample: bool | int, agree: Agree | None) -> int:
     """The seed the draws are keyed by: the one given, or (True) torch's initial seed, the one the script set
     with torch.manual_seed (rank 0's, where processes were seeded apart or not at all)."""
-    if isinstance(seed_per_sample, bool):
-        seed = torch.initial_seed() % 2**63
-        if agree is not None:
-            seed = int(agree(torch.tensor([seed], dtype=torch.int64), "broadcast")[0])
-        return seed
-    return per_sample(seed_per_sample)
+    if not isinstance(seed_per_sample, bool):  # a seed, as per_sample gave it
+        return seed_per_sample
+    seed = torch.initial_seed() % 2**63
+    return seed if agree is None else int(agree(torch.tensor([seed], dtype=torch.int64), "broadcast")[0])
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -61,22 +60,16 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """torch's CPU generator, `random` and numpy's global generator seeded with `seed` inside; as before after."""
-    try:
-        import numpy
-    except ImportError:
-        numpy = None
-    states = torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None
+    states = torch.get_rng_state(), random.getstate(), numpy.random.get_state()
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
-    if numpy is not None:
-        numpy.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    numpy.random.seed([seed & 0xFFFFFFFF, seed >> 32])
     try:
         yield
     finally:
         torch.set_rng_state(states[0])
         random.setstate(states[1])
-        if numpy is not None:
-            numpy.random.set_state(states[2])
+        numpy.random.set_state(states[2])
 
 
 class Keyed(Sampler):

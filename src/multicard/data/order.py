@@ -74,7 +74,19 @@ class Permutation:
         self.checked = True
 
 
-class ShardSampler(Sampler[int]):
+class Dealt(Sampler[int]):
+    """A sampler whose pass is order() (drawn as it starts), then finish(): the last draw of its `draws`."""
+
+    def __iter__(self):
+        yield from self.order().tolist()
+        self.finish()
+
+    def finish(self) -> None:
+        if self.draws is not None:
+            self.draws.finish()
+
+
+class ShardSampler(Dealt):
     """Every `world`-th index from `rank` (position p of the data goes to process p % world, as in training):
     each sample in exactly one shard, none padded or repeated, served in batches of `batch`.
 
@@ -86,10 +98,6 @@ class ShardSampler(Sampler[int]):
 
     def __init__(self, size: int, rank: int = 0, world: int = 1, draws: Permutation | None = None, batch: int = 1):
         self.size, self.rank, self.world, self.draws, self.batch = size, rank, world, draws, batch
-
-    def __iter__(self):
-        yield from self.order().tolist()
-        self.finish()
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.world))
@@ -123,10 +131,6 @@ class ShardSampler(Sampler[int]):
             self.draws.draw()
         return torch.arange(self.rank, max(self.rank, self.size), self.world)  # none: fewer samples than ranks
 
-    def finish(self) -> None:
-        if self.draws is not None:
-            self.draws.finish()
-
 
 class Chunks(Sampler[list]):
     """`sampler`'s items in batches of `sizes` (ShardSampler.sizes), the empty ones left out."""
@@ -145,7 +149,7 @@ class Chunks(Sampler[list]):
         return sum(1 for size in self.sizes if size)
 
 
-class GlobalOrder(Sampler[int]):
+class GlobalOrder(Dealt):
     """One order of the whole dataset per pass (the plain loader's permutation, or 0..n-1), the same in every
     process, dealt out by rank: index i of the order goes to process i % world. With a per-process batch b, step
     k of the N processes together takes positions k*N*b .. (k+1)*N*b - 1: the step one process takes at batch N*b.
@@ -161,19 +165,13 @@ class GlobalOrder(Sampler[int]):
         self.drop_last, self.step, self.batch = drop_last, step, batch or world
         self.start = 0  # positions of the order served already (a resumed epoch): skipped, never loaded
 
-    @property
-    def shuffle(self) -> bool:
-        return self.draws is not None
-
     def order(self) -> torch.Tensor:
         """This process's indices for the pass, drawn now, as one tensor (listing 262,144 of them in Python
         takes ~45 ms). Call it once a pass, and `finish()` once the pass has been served."""
         indices = self.draws.draw() if self.draws is not None else torch.arange(self.size)
-        if self.drop_last:
-            indices = indices[: self.size // self.step * self.step]
-        elif self.total > self.size:
-            indices = indices.repeat(-(-self.total // self.size))[:self.total]
-        return indices[self.start:][self.rank::self.world]
+        if self.total > self.size:  # the repeats that pad a short last global batch
+            indices = indices.repeat(-(-self.total // self.size))
+        return indices[:self.total][self.start:][self.rank::self.world]
 
     @property
     def total(self) -> int:
@@ -183,14 +181,6 @@ class GlobalOrder(Sampler[int]):
             return self.size // self.step * self.step
         short = self.size % self.batch
         return self.size + (self.world - short if 0 < short < self.world else 0)
-
-    def finish(self) -> None:
-        if self.draws is not None:
-            self.draws.finish()
-
-    def __iter__(self):
-        yield from self.order().tolist()
-        self.finish()
 
     def __len__(self) -> int:
         return len(range(self.start + self.rank, self.total, self.world))

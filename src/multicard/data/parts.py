@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy
 import torch
 
 from ..errors import UsageError
@@ -105,15 +106,11 @@ def randn_local(rank: int, world: int, *global_shape: int, dim: int = 0, **optio
 
 
 def seed_per_process(seed: int, rank: int) -> int:
-    """Seed torch (CPU and every card), Python's `random` and numpy (if installed) with seed + rank: random
+    """Seed torch (CPU and every card), Python's `random` and numpy with seed + rank: random
     streams that differ between processes (dropout, augmentation), yet repeat from run to run. Returns the seed
     this process took."""
     mine = seed + rank
     torch.manual_seed(mine)
     random.seed(mine)
-    try:
-        import numpy
-    except ImportError:
-        return mine
     numpy.random.seed(mine % 2**32)
     return mine

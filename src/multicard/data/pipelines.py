@@ -30,16 +30,12 @@ def fingerprint(batch: Any, size: int) -> torch.Tensor:
     """A few numbers that differ, in practice, between two different batches: its size, and a sum and a weighted
     sum of its first tensor's first 4,096 values (a batch without tensors, e.g. of text, is compared by its size
     alone)."""
-    first = next((t for t in _tensors(batch)), None)
+    first = next((t for t in values(batch) if isinstance(t, torch.Tensor)), None)
     if first is None:
         return torch.tensor([size], dtype=torch.float64)
-    values = first.detach().flatten()[:4096].double().cpu()  # a bounded cost, whatever the batch's size
-    return torch.stack([torch.tensor(float(size), dtype=torch.float64), values.sum(),
-                        (values * torch.arange(1, len(values) + 1, dtype=torch.float64)).sum()])
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    return (value for value in values(batch) if isinstance(value, torch.Tensor))
+    head = first.detach().flatten()[:4096].double().cpu()  # a bounded cost, whatever the batch's size
+    return torch.stack([torch.tensor(float(size), dtype=torch.float64), head.sum(),
+                        (head * torch.arange(1, len(head) + 1, dtype=torch.float64)).sum()])
 
 
 def read_whole(loader: DataLoader) -> bool:

@@ -129,23 +129,30 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def group_folders(root: Path, controller: str, listing: Path) -> list[Path]:
+    """The folders of this process's control group in the hierarchy of `controller` ("": cgroup v2) mounted at
+    `root`, from the root of the mount to its own; `listing` (/proc/self/cgroup) says which group it is in."""
+    try:
+        lines = listing.read_text().splitlines()
+    except OSError:
+        lines = []
+    own = next((parts[2] for parts in (line.split(":", 2) for line in lines)
+                if len(parts) == 3 and controller in parts[1].split(",")), "/")
+    folders, folder = [root], root / own.strip("/")
+    while folder != root and root in folder.parents:
+        folders.append(folder)
+        folder = folder.parent
+    return folders
+
+
 def cpu_quota() -> float | None:
     """The cores the CPU quota of this process's control group, or of a group above it, allows (cgroup v2's
     cpu.max, v1's cfs_quota_us / cfs_period_us); None where there is none or it cannot be read."""
-    try:
-        lines = SELF_CGROUP.read_text().splitlines()
-    except OSError:
-        return None
     quotas = []
-    for _, controllers, own in (line.split(":", 2) for line in lines if line.count(":") >= 2):
-        v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
-            continue
-        root = CGROUP if v2 else CGROUP / "cpu"
-        folder = root / own.strip("/")
-        for group in [folder, *folder.parents][: len(folder.relative_to(root).parts) + 1]:  # up to the root
+    for controller in ("", "cpu"):
+        for group in group_folders(CGROUP / controller, controller, SELF_CGROUP):
             try:
-                quota, period = ((group / "cpu.max").read_text().split() if v2 else
+                quota, period = ((group / "cpu.max").read_text().split() if not controller else
                                  [(group / f"cpu.cfs_{f}_us").read_text().strip() for f in ("quota", "period")])
                 if quota not in ("max", "-1"):  # each hierarchy's "no quota"
                     quotas.append(int(quota) / int(period))

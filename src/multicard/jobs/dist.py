@@ -24,7 +24,6 @@ MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times o
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
 
-
 @dataclass(frozen=True)
 class Job:
     rank: int = 0  # this process among all of them
@@ -65,7 +64,6 @@ def job_from_env(env=os.environ) -> Job:
         return Job(rank, world, _number(env, "SLURM_LOCALID", 0, 0), int(per_node.group()) if per_node else 1,
                    "slurm")
     return Job()
-
 
 
 def _number(env, name: str, least: int, default: int | None = None) -> int:
@@ -141,7 +139,6 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     """Join the job's process group. Collectives, and the rendezvous, wait at most `timeout_s` for the others."""
     import torch.distributed as dist
 
-    check_timeout(timeout_s)
     timeout = timedelta(seconds=timeout_s)
     if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
         dist.init_process_group(backend_for(devices), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -149,8 +146,7 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     lifeline.tie_forks()
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
         lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
-    slot = progress_slot()
-    slot[1] = timeout_s
+    progress_slot()[1] = timeout_s
     progress()
     hook_failures()
     store = rendezvous(job, timeout_s)

@@ -5,6 +5,7 @@ it) and Stopped (a signal to the launcher stopped the job). In a notebook each s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -67,10 +68,8 @@ def uncaught_ends_as_signal() -> None:
             note(f"stopped by {error}; every rank was stopped")
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a stream closed or gone: nothing left to show
                 stream.flush()
-            except (OSError, ValueError):  # a stream closed or gone: nothing left to show
-                pass
         signal.signal(error.signum, signal.SIG_DFL)
         os.kill(os.getpid(), error.signum)
 

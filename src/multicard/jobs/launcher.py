@@ -51,14 +51,14 @@ def store():
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def job_env(rank: int, world: int, port: int, folder: str = "", launcher: int = 0) -> dict[str, str]:
+def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str]:
     """What a process of a job started here finds in its environment: torchrun's variables, the store, the
     launcher's pid (a process whose parent it is not is no rank: see lifeline.inherited) and (given the job's folder)
     the file where it shows its progress."""
     env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
-    env[lifeline.LAUNCHER_PID] = str(launcher or os.getpid())
+    env[lifeline.LAUNCHER_PID] = str(os.getpid())
     if folder:
         env[progress.PROGRESS] = slot_path(folder, rank)
     return env

@@ -78,15 +78,10 @@ def watch_parent(rank: int) -> None:
     threading.Thread(target=watch, name="multicard parent watch", daemon=True).start()
 
 
-def orphaned() -> bool:
-    """Whether this rank's launcher (watched since it joined the job) is gone."""
-    return _parent is not None and os.getppid() != _parent
-
-
 def end_if_orphaned(rank: int) -> None:
     """End this process now, with one line, where its launcher is gone: the job it belonged to has ended, and
     nothing it would do from here (a checkpoint, publishing the run) is wanted."""
-    if orphaned():
+    if _parent is not None and os.getppid() != _parent:  # watched since it joined the job, and gone
         note(f"rank {rank}: its launcher (pid {_parent}) is gone; this rank ends")
         os.kill(os.getpid(), signal.SIGKILL)
 

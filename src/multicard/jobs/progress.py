@@ -154,14 +154,11 @@ def progress_slot() -> memoryview | list[float]:
     variable alone never makes this process write into a file."""
     global _slot
     if _slot is None:
-        slot: memoryview | list[float] = [0.0] * 5
         path = os.environ.get(PROGRESS)
-        if path and not inherited():
-            mapped = _map_slot(path)
-            if mapped is None:
-                note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
-            slot = slot if mapped is None else mapped
-        _slot = slot
+        slot = _map_slot(path) if path and not inherited() else [0.0] * 5
+        if slot is None:
+            note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
+        _slot = [0.0] * 5 if slot is None else slot
     return _slot
 
 

@@ -124,7 +124,15 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 def _fail(kind: str, text: str) -> None:
     progress.tell_launcher(kind, text)
     if _running():  # threads fn left running: Python would wait for them, and the failure would never be told
-        _end(1)
+        # (the launcher learns of it once this process has ended): it ends now, its way out taken first
+        from multiprocessing import util
+
+        util._exit_function()  # multiprocessing's finalizers, then the exit handlers and the streams
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
     sys.exit(1)
 
 
@@ -150,17 +158,3 @@ def _watch_threads(rank: int) -> None:
     watch = threading.Timer(timeout, end)
     watch.daemon, watch.name = True, "multicard thread watch"
     watch.start()
-
-
-def _end(code: int) -> None:
-    """End this process now, without waiting for its threads: what a process does on its way out (multiprocessing's
-    finalizers, the exit handlers, its streams flushed) first. For a failed rank: the launcher learns of the failure
-    only once the process has ended."""
-    from multiprocessing import util
-
-    util._exit_function()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)

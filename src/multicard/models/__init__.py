@@ -42,11 +42,9 @@ def build(name: str) -> nn.Module:
                          f"or name your own as file.py:Class or package.module:Class")
     try:
         model = factory()
-    except TypeError as e:
-        if user_error.where(e) is None:  # the call itself: the class wants arguments
-            raise UsageError(f"--model {name}: cannot be built without arguments ({e})") from None
-        raise UsageError(f"--model {name}: building it failed: {user_error.line(e)}") from None
     except Exception as e:  # the user's own code failing in __init__: their error, in one line
+        if isinstance(e, TypeError) and user_error.where(e) is None:  # the call itself: the class wants arguments
+            raise UsageError(f"--model {name}: cannot be built without arguments ({e})") from None
         raise UsageError(f"--model {name}: building it failed: {user_error.line(e)}") from None
     if not isinstance(model, nn.Module):
         raise UsageError(f"--model {name}: gave a {type(model).__name__}, not a torch.nn.Module")

@@ -34,12 +34,9 @@ class ResNet8(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(channels, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
                                   nn.ReLU(inplace=True))
-        stages, cin = [], widths[0]
-        for i, width in enumerate(widths):
-            stages.append(BasicBlock(cin, width, stride=1 if i == 0 else 2))  # 32x32 -> 16x16 -> 8x8
-            cin = width
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+        self.stages = nn.Sequential(*(BasicBlock(widths[max(i - 1, 0)], width, stride=2 if i else 1)
+                                      for i, width in enumerate(widths)))  # 32x32 -> 16x16 -> 8x8
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], classes))
 
     def forward(self, x):
         return self.head(self.stages(self.stem(x)))

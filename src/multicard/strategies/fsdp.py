@@ -67,8 +67,7 @@ class FSDP(DDP):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The norm over the whole model, not over this process's shard: torch sums the shards' squares over
         the processes (the gradients are DTensors), then every process scales its shard by the same factor."""
-        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return full(norm)
+        return full(super().clip_grad_norm(model, max_norm))
 
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's plain state_dict, gathered onto the CPU of rank 0 (every rank must call it; the
