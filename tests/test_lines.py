@@ -237,6 +237,7 @@ THREADS = """
     def job(mc, fail):
         if mc.rank == 1:
             threading.Thread(target=time.sleep, args=(600,), name="uploader").start()
+            print("rank 1 printed this")  # a pipe buffers it: it must not be lost when the rank ends without the thread
             if fail:
                 raise ValueError("after the thread started")
         ThreadPoolExecutor(2).submit(print, end="")  # idle, not shut down: it ends with its process, as ever
@@ -254,8 +255,8 @@ THREADS = """
 
 @pytest.mark.slow
 def test_a_thread_fn_leaves_running_is_named_once_the_timeout_passed_and_the_launch_returns(tmp_path):
-    done = run([*script(tmp_path, THREADS), "return"], tmp_path)
-    assert done.returncode == 0 and done.stdout == "41\n", done.stderr
+    done = run([*script(tmp_path, THREADS), "return"], tmp_path, env={"PYTHONUNBUFFERED": ""})  # stdout buffered
+    assert done.returncode == 0 and done.stdout == "rank 1 printed this\n41\n", done.stderr
     assert done.stderr.splitlines() == [
         "multicard: rank 1: fn returned, but its thread 'uploader' still ran 2 s later (the job's timeout); this rank "
         "ended without it: join threads before fn returns, or start them with daemon=True"], done.stderr

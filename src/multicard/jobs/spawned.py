@@ -153,6 +153,7 @@ def _watch_threads(rank: int) -> None:
             note(f"rank {rank}: fn returned, but its thread{'s' * several} {names} still ran {timeout:g} "
                  f"s later (the job's timeout); this rank ended without {'them' if several else 'it'}: join threads "
                  f"before fn returns, or start them with daemon=True")
+            sys.stdout.flush()  # what fn printed is not lost with the threads (stderr: note flushed it)
             os._exit(0)
 
     watch = threading.Timer(timeout, end)
