@@ -21,7 +21,6 @@ from .observe import crowded, curves, straggles
 tqdm.set_lock(threading.RLock())
 
 
-
 def strict(obj):
     """Summary values as strict JSON: a number that is not finite (an empty evaluation's nan) becomes null."""
     if isinstance(obj, float) and not math.isfinite(obj):
