@@ -1,6 +1,6 @@
-"""The bench's report: derived numbers (scaling, parity, speed-up, what sharding saves), the terminal and markdown
-tables, bench.json and the PNG plot. Imported only when a bench runs (matplotlib and torch load here, never for
-`--help`)."""
+"""The bench's report: derived numbers (scaling, parity, speed-up, what sharding saves) and the terminal and
+markdown tables (bench_files.py writes bench.json, bench.md and the PNG plot). Imported only when a bench runs or
+`multicard env` names the CPU; torch loads only inside build()."""
 
 from __future__ import annotations
 
