@@ -23,15 +23,11 @@ from . import randoms, shards, sums
 OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
-
-
 def _checked(what: str, state: Any) -> None:
     """Before anything rank-specific: a wrong argument is the same one line on every rank."""
     if not isinstance(state, dict):
         raise UsageError(f"mc.{what}(path, state): state is a {type(state).__name__}, not a dict of names to "
                          f"objects; e.g. mc.{what}(path, {{'model': model, 'optimizer': optimizer}})")
-
-
 
 
 def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple[dict, dict, dict[int, Any]]:
@@ -60,8 +56,6 @@ def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple
             raise UsageError(safefs.replaced(f"shards folder {held.shown}"))
     info["sums"] = {name: crc for _, found in kept for name, crc in found.items()}
     return rest, info, {r: got for r, (got, _) in enumerate(kept) if r}
-
-
 
 
 def _sound(mc: Any, path: Path, where: Path, recorded: Any) -> None:

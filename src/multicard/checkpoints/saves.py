@@ -70,11 +70,8 @@ def claimed(out: str | Path, resumed: Path | None) -> str:
 def places(out: str | Path, run: str, keep: list[Path]) -> dict[Path, Path]:
     """{checkpoint: the folder it goes into} for every whole checkpoint in --out that is not `run`'s nor in
     `keep`; each folder is made (a real one: a link or a file under that name is refused in one line)."""
-    found = {}
-    for old in whole(out):
-        if run_of(old) != run and not any(same(old, k) for k in keep):
-            found[old] = folder_aside(old, run)
-    return found
+    return {old: folder_aside(old, run) for old in whole(out)
+            if run_of(old) != run and not any(same(old, k) for k in keep)}
 
 
 def folder_aside(checkpoint: Path, run: str) -> Path:

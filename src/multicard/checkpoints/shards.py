@@ -165,7 +165,7 @@ def failure(e: BaseException) -> BaseException:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(e, CheckpointException) and e.failures:
-        return next(iter(sorted(e.failures.items(), key=lambda item: item[0])))[1][0]
+        return e.failures[min(e.failures)][0]
     return e
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .. import safefs
 from ..errors import UsageError
+from ..jobs.trees import values
 from .sums import said
 
 # largest .metadata read: DCP's index of every tensor chunk, a few hundred bytes each: a base, and this much per
@@ -66,11 +67,7 @@ class Restricted(pickle.Unpickler):
 
 def tensors(state: Any) -> int:
     """How many tensors a (nested) state dict holds."""
-    if isinstance(state, dict):
-        return sum(tensors(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(tensors(v) for v in state)
-    return int(isinstance(state, torch.Tensor))
+    return sum(isinstance(v, torch.Tensor) for v in values(state))
 
 
 def metadata(where: Path, name: str = ".metadata", limit: int = METADATA_BASE, crc: Any = None):

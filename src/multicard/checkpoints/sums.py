@@ -89,9 +89,13 @@ def said(what: str, found: str) -> str:
 
 
 def of_file(fd: int) -> int:
+    """The CRC-32 of what `fd` reads; the descriptor is closed."""
     crc = 0
-    while chunk := os.read(fd, CHUNK):
-        crc = zlib.crc32(chunk, crc)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    finally:
+        os.close(fd)
     return crc
 
 
@@ -99,15 +103,8 @@ def of_files(folder: safefs.Folder, rank: int) -> dict[str, int]:
     """Rank `rank`, once DCP has saved into `folder`: the CRC-32 of each file it wrote there (its own
     __<rank>_<n>.distcp; rank 0 also the .metadata)."""
     mine = re.compile(rf"__{rank}_\d+\.distcp" + (r"|\.metadata" if rank == 0 else ""))
-    found = {}
-    for name in os.listdir(folder.fd):
-        if mine.fullmatch(name):
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder.fd)
-            try:
-                found[name] = of_file(fd)
-            finally:
-                os.close(fd)
-    return found
+    return {name: of_file(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder.fd))
+            for name in os.listdir(folder.fd) if mine.fullmatch(name)}
 
 
 def files_damage(where: Path, recorded: Any, rank: int = 0, world: int = 1) -> str | None:
@@ -124,10 +121,7 @@ def files_damage(where: Path, recorded: Any, rank: int = 0, world: int = 1) -> s
             fd = os.open(where / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             return f"its shard file {name} cannot be read ({e.strerror})"
-        try:
-            if of_file(fd) != recorded[name]:
-                return f"its shard file {name} fails its CRC-32"
-        finally:
-            os.close(fd)
+        if of_file(fd) != recorded[name]:
+            return f"its shard file {name} fails its CRC-32"
     return None
 

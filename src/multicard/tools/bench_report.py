@@ -1,6 +1,6 @@
-"""The bench's report: derived numbers (scaling, parity, speed-up, what sharding saves), the terminal and markdown
-tables, bench.json and the PNG plot. Imported only when a bench runs (matplotlib and torch load here, never for
-`--help`)."""
+"""The bench's report: derived numbers (scaling, parity, speed-up, what sharding saves) and the terminal and
+markdown tables (bench_files.py writes bench.json, bench.md and the PNG plot). Imported only when a bench runs or
+`multicard env` names the CPU; torch loads only inside build()."""
 
 from __future__ import annotations
 
@@ -138,12 +138,11 @@ def derive(results: dict) -> None:
         cell["loss_parity"] = abs(cell["loss"] - reference["loss"]) / reference["loss"] if reference else None
     for extra in (results[k] for k in ("baseline", "fast") if k in results):
         extra["scaling_efficiency"] = extra["loss_parity"] = None
-    for cell in rows(results):
-        cell["speedup_vs_baseline"] = cell["samples_per_s"] / baseline["samples_per_s"] if baseline else None
     # the whole model and its optimizer state, as one process holds it: single x1 first, else any 1-process cell
     ones = [c for c in [reference, *cells, baseline, results.get("fast")] if c and c.get("world_size") == 1]
     whole = next((max(held(c)) for c in ones if held(c)), None)
     for cell in rows(results):
+        cell["speedup_vs_baseline"] = cell["samples_per_s"] / baseline["samples_per_s"] if baseline else None
         cell["held_vs_whole"] = max(held(cell)) / whole if whole and held(cell) else None
         honesty(cell)
     results["spread_limit"] = SPREAD_LIMIT

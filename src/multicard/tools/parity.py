@@ -120,7 +120,6 @@ def sgd_steps(mc: Multicard, model: nn.Module, dataset: ImageData, config: Train
     return Side(grads, weights, loss_sum / samples)
 
 
-
 def worst(one: dict[str, torch.Tensor], many: dict[str, torch.Tensor]) -> tuple[float, str]:
     diffs = {k: (one[k].double() - many[k].double()).abs().max().item() for k in one if one[k].numel()}
     name = max(diffs, key=diffs.get)

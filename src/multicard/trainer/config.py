@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..errors import UsageError
 from ..jobs.dist import check_timeout
@@ -183,6 +183,10 @@ class TrainConfig:
             batch = max(parts, BATCH // parts * parts)
         lr = self.lr if self.lr is not None else LR[self.optimizer] * math.sqrt(batch / BATCH)
         return replace(self, batch_size=batch, lr=lr)
+
+    def changed(self) -> set[str]:
+        """The fields set otherwise than their defaults."""
+        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
 
     def validate(self) -> None:
         """Refuse settings that cannot work, before anything runs (torch would fail later, some after an epoch).

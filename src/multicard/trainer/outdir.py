@@ -191,13 +191,8 @@ def ours(path: Path, target: str | None = None) -> bool:
 
 def link(path: Path, target: str) -> None:
     """Point `path` at `target` in one step: a new link beside it, renamed over it."""
-    while True:  # a fresh random name: symlink() makes it here and now, never over something planted
-        tmp = path.with_name(safefs.temporary_name(path.name))
-        try:
-            os.symlink(target, tmp)
-            break
-        except FileExistsError:
-            continue
+    tmp = path.with_name(safefs.temporary_name(path.name))  # 48 random bits: never a name planted in advance
+    os.symlink(target, tmp)  # made here and now (never over something there)
     os.replace(tmp, path)
 
 

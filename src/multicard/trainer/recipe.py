@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,7 @@ def inherit(path: Path, config: TrainConfig, given: set[str] | None = None) -> T
     set; default: those that differ from TrainConfig's defaults) does not set it. A given field that the run
     cannot change is refused in one line naming its flag, and so is --epochs where the run's schedule spans its
     length (onecycle, cosine: more epochs would train at a rate of 0) or where the run is past it already."""
-    if given is None:
-        default = TrainConfig()
-        given = {f.name for f in fields(TrainConfig) if getattr(config, f.name) != getattr(default, f.name)}
+    given = config.changed() if given is None else given
     given = {name for name in given if getattr(config, name) is not None}  # "auto" given: the run's own
     raw = head(path)
     saved = raw["config"]

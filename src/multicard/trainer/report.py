@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from ..checkpoints import plain as checkpoint
 from ..errors import say
+from ..jobs.trees import rebuild, values
 from .config import TrainConfig
 from .observe import crowded, curves, straggles
 
@@ -21,16 +22,9 @@ from .observe import crowded, curves, straggles
 tqdm.set_lock(threading.RLock())
 
 
-
 def strict(obj):
     """Summary values as strict JSON: a number that is not finite (an empty evaluation's nan) becomes null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: strict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict(v) for v in obj]
-    return obj
+    return rebuild(obj, (None if isinstance(v, float) and not math.isfinite(v) else v for v in values(obj)))
 
 
 class Report:

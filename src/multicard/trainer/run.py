@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -59,8 +59,7 @@ def train(model: nn.Module, train_data: Dataset, test_data: Dataset | None = Non
             overrides[name] = value
     optimizer, scheduler = (None if isinstance(v, str) else v for v in (optimizer, scheduler))
     # what the caller set: a resume takes the rest of its recipe from the checkpoint (as the CLI's flags given)
-    given = set(overrides) | {f.name for f in fields(TrainConfig)
-                              if config is not None and getattr(config, f.name) != getattr(TrainConfig(), f.name)}
+    given = set(overrides) | (config or TrainConfig()).changed()
     config = replace(config or TrainConfig(), **overrides)
     if isinstance(config.out, os.PathLike):
         config = replace(config, out=os.fspath(config.out))

@@ -11,7 +11,6 @@ path; the gradients are reduced by the model already. One all-reduce of one numb
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from ..data import uneven
 from ..strategies import Strategy
 from . import collectives
-from .precision import step_through_scaler
+from .precision import step_through_scaler, wrap_step
 
 
 def whole_batch_loss(strategy: Strategy, loss: Any) -> torch.Tensor | None:
@@ -32,18 +31,14 @@ def whole_batch_loss(strategy: Strategy, loss: Any) -> torch.Tensor | None:
 
 
 def reduce_closures(optimizer: torch.optim.Optimizer, strategy: Strategy) -> None:
-    """optimizer.step(closure) calls the closure through whole_batch_loss (step() without one: as it was). A
-    bound method still, so LR schedulers can wrap it as usual."""
-    plain = optimizer.step
+    """optimizer.step(closure) calls the closure through whole_batch_loss (step() without one: as it was)."""
 
-    def step(opt: torch.optim.Optimizer, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+    def reduced(plain: Callable, closure: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
         if closure is None:
             return plain(*args, **kwargs)
         return plain(lambda: whole_batch_loss(strategy, closure()), *args, **kwargs)
 
-    if hasattr(plain, "_wrapped_by_lr_sched"):  # an LR scheduler wrapped it already: it still counts the steps
-        step._wrapped_by_lr_sched = True
-    optimizer.step = types.MethodType(step, optimizer)
+    wrap_step(optimizer, reduced)
 
 
 def set_up_step(optimizer: torch.optim.Optimizer, strategy: Strategy, scaler: torch.amp.GradScaler | None,

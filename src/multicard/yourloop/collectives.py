@@ -28,21 +28,23 @@ OPS = ("sum", "mean", "max", "min")
 CHECK_SHAPES = "MULTICARD_CHECK_SHAPES"
 
 
-def check_shapes(strategy: Strategy, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """One collective of two numbers: a checksum of every leaf's place, shape and dtype, max-reduced with its
-    negation (equal everywhere only if max == -min). On a mismatch the descriptions are gathered to name it."""
-    mine = [(where, shape(t)) for where, t in tensors]  # what must agree across the processes
-    crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ between processes
+def layouts(strategy: Strategy, found: list[tuple[str, Any]]) -> list | None:
+    """None where every rank's `found` has the same places, shapes and dtypes: one collective of two numbers, a
+    checksum max-reduced with its negation (equal everywhere only if max == -min); else every rank's, gathered."""
+    layout = [(where, shape(value)) for where, value in found]
+    crc = zlib.crc32(repr(layout).encode())  # not hash(): str hashes differ between processes
     seen = strategy.all_reduce(torch.tensor([crc, -crc], dtype=torch.int64, device=strategy.device), "max")
-    if seen[0].item() == crc and seen[1].item() == -crc:
-        return
-    everyone = strategy.gather(mine)
-    for rank, theirs in enumerate(everyone):
-        if theirs != mine:
-            ours, other = dict(mine), dict(theirs)
-            diff = [w for w in dict.fromkeys([*ours, *other]) if ours.get(w) != other.get(w)]
-            where = diff[0] if diff else ""
-            raise UsageError(f"all_reduce: the value{where or ''} is {ours.get(where, 'missing')} on rank "
+    return None if seen.tolist() == [crc, -crc] else strategy.gather(layout)
+
+
+def check_shapes(strategy: Strategy, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Where the values' shapes or dtypes differ between the processes (layouts), one line names the first."""
+    everyone = layouts(strategy, tensors)
+    for rank, theirs in enumerate(everyone or ()):
+        if theirs != everyone[strategy.rank]:
+            ours, other = dict(everyone[strategy.rank]), dict(theirs)
+            where = next((w for w in dict.fromkeys([*ours, *other]) if ours.get(w) != other.get(w)), "")
+            raise UsageError(f"all_reduce: the value{where} is {ours.get(where, 'missing')} on rank "
                              f"{strategy.rank} but {other.get(where, 'missing')} on rank {rank}: every process must "
                              f"pass the same structure, shapes and dtypes")
 
@@ -111,8 +113,6 @@ def split(strategy: Strategy, inputs: Any) -> Any:
         raise UsageError(f"split takes a list, tuple, tensor or dict of them, not {type(inputs).__name__}")
     start, stop = bounds(len(inputs), strategy.rank, strategy.world)
     return inputs[start:stop]
-
-
 
 
 def gather_in_order(strategy: Strategy, outputs: Any, total: int | None = None) -> Any:

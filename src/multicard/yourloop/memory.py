@@ -67,10 +67,8 @@ def _held(tensors: list[torch.Tensor]) -> int:
             continue
         size = t.element_size()
         start = t.storage_offset() * size
-        if t.is_contiguous():
-            end = start + t.numel() * size
-        else:  # from its first element to past its last one
-            end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size
+        # from its first element to past its last one (numel() elements where it is contiguous)
+        end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size
         # the storage's address on its device; meta tensors have none (each its own, shared ones are one object)
         key = id(t) if t.is_meta else (t.device, t.untyped_storage().data_ptr())
         spans.setdefault(key, []).append((start, end))

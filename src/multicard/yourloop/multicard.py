@@ -268,7 +268,6 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
                      device_data=device_data, accumulate=accumulate, seed_per_sample=seed_per_sample)
 
-
     def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:
         """data/order.py's Agree: rank 0's `value`, or the element-wise max, on every process."""
         value = value.to(self.device)

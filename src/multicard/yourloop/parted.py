@@ -7,14 +7,14 @@ strategy and is called on every rank alike; only the meeting goes beside the job
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any
 
 import torch
 
 from ..errors import UsageError
 from ..strategies import Strategy
-from .fingerprints import shape, stable
+from .collectives import layouts
+from .fingerprints import stable
 
 APART = ("every process must call mc.check_replicas() and mc.load at the same point of its loop (not under `if "
          "mc.is_main:`), and step alike (a step skipped or taken on some ranks only: an `if` around "
@@ -51,12 +51,9 @@ def meet(strategy: Strategy, key: str, meeting: int, head: list) -> None:
 def unlike(strategy: Strategy, when: str, found: list) -> str | None:
     """None where every rank compares the same names, shapes and dtypes; else the line naming the first that
     differs."""
-    layout = [(label, shape(value)) for label, value in found]
-    crc = zlib.crc32(repr(layout).encode())
-    seen = strategy.all_reduce(torch.tensor([crc, -crc], device=strategy.device), "max").tolist()
-    if seen == [crc, -crc]:
+    everyone = layouts(strategy, found)
+    if everyone is None:
         return None
-    everyone = strategy.gather(layout)
     where = next((i for i, row in enumerate(zip(*everyone, strict=False)) if len(set(row)) > 1), None)
     what = ", ".join(f"rank {r}: {len(part)} entries" if where is None else f"rank {r}: {' '.join(part[where])}"
                      for r, part in enumerate(everyone))

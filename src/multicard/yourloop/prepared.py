@@ -197,7 +197,7 @@ class Prepared(nn.Module):
     def _watch_backward(self, out: Any) -> None:
         """ddp arms its reduction in forward: a backward through this output inside no_backward_sync still
         reduces. Say so once (the hook runs in backward; it costs nothing else)."""
-        tensor = _first_grad_tensor(out)
+        tensor = next((t for t in values(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if tensor is None or _WARNED or not self._main:
             return
 
@@ -258,10 +258,6 @@ def _restore_forward(module: nn.Module, before: Any) -> None:
 
 def _holds_parameters(value: Any) -> bool:
     return isinstance(value, nn.Parameter) or (isinstance(value, nn.Module) and any(True for _ in value.parameters()))
-
-
-def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
-    return next((t for t in values(obj) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 @contextlib.contextmanager
