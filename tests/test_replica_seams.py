@@ -1,7 +1,8 @@
 """The replica check at the seams (issue 40.5): no false alarm on settings whose text differs between processes
 though their value does not (a set of strings, an object whose repr names its address), and no gloo abort where
-the ranks reach different checks (mc.check_replicas() on rank 0 alone; a step skipped on one rank only): one line
-naming what differs. On 2 gloo processes, and 3 in the slow suite (one job a world size)."""
+the ranks reach different checks (mc.check_replicas() on rank 0 alone; a step skipped on one rank only) or
+compare different things (a setting one rank alone has): one line naming what differs. On 2 gloo processes, and
+3 in the slow suite (one job a world size)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def seams_job(mc: Multicard) -> dict:
     found["differ"] = loop(mc, Multicard("ddp", "cpu", replica_check_every=1),
                            {"tags": {"tag0", f"tag{1 + mc.rank}"}})
     found["skipped"] = loop(mc, Multicard("ddp", "cpu", replica_check_every=2), {}, skip_on=mc.world_size - 1)
+    found["unlike"] = loop(mc, Multicard("ddp", "cpu", replica_check_every=1),  # a setting the last rank alone has
+                           {"label": "head"} if mc.rank == mc.world_size - 1 else {})
     # by hand on rank 0 alone: the others go on into a step of their own (ddp's all-reduce), and wait there
     run = Multicard("ddp", "cpu", timeout=3)
     torch.manual_seed(0)
@@ -95,6 +98,10 @@ def test_settings_by_value_and_checks_that_part_are_one_line(world):
         assert found["skipped"]["line"].startswith(
             f"the processes reached this replica check after different numbers of optimizer steps: {skipped}; every "
             f"process must call mc.check_replicas() and mc.load at the same point of its loop"), found["skipped"]
+        each = ", ".join(f"rank {r}: the optimizer's {'label' if r == last else 'lr'} (param group 0) (a setting)"
+                         for r in range(world))
+        assert found["unlike"]["line"] == f"after mc.setup: the processes' models or optimizers are not built alike " \
+            f"({each}); build them alike", found["unlike"]
     assert ranks[0]["by hand"]["line"].startswith(
         f"at mc.check_replicas(): rank{'s' * (world > 2)} {others} did not reach a replica check within 2.7 s; every "
         f"process must call mc.check_replicas()"), ranks[0]["by hand"]
