@@ -200,6 +200,7 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
     assert summary_of(tmp_path)["world_size"] == 2
 
 
+@pytest.mark.slow  # how SLURM's variables are read: tests/test_dist.py; this is the whole job started that way
 def test_slurm_variables(tmp_path):
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}

@@ -312,7 +312,7 @@ def spin_counts(stderr: str) -> list[str]:
     return re.findall(r"GOMP_SPINCOUNT = '(\d+)'", stderr)
 
 
-@pytest.mark.parametrize("busy, spin", [(True, "0"), (False, "300000")])
+@pytest.mark.parametrize("busy, spin", [(True, "0"), pytest.param(False, "300000", marks=pytest.mark.slow)])
 def test_the_cli_tells_openmp_to_wait_passively_before_torch_loads_it_on_a_busy_machine(busy, spin):
     code = BUSY.format(busy=busy) + "from multicard.cli import main\nsys.exit(main(['env']))\n"
     env = {k: v for k, v in os.environ.items() if k not in WAITING} | DISPLAY

@@ -21,6 +21,7 @@ def run(*command: str, cwd) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_own_model_example(tmp_path):
     out = run(sys.executable, f"{EXAMPLES}/own_model.py", "--strategy", "single", "--devices", "cpu", "--epochs", "2",
               cwd=tmp_path)

@@ -187,7 +187,7 @@ def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # fork: Linux's default
 def test_a_dataloader_worker_hung_in_getitem_dies_with_its_process(tmp_path, start):
     """A worker of a loader multicard set up ends with the process it serves (a rank), even hung in __getitem__."""
     (tmp_path / "hangs.py").write_text(
