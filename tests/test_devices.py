@@ -323,6 +323,7 @@ def test_the_cli_tells_openmp_to_wait_passively_before_torch_loads_it_on_a_busy_
     assert spin_counts(result.stderr) == [spin]
 
 
+@pytest.mark.slow
 def test_the_launcher_tells_each_rank_to_wait_passively_on_a_busy_machine():
     code = BUSY.format(busy=True) + ("from multicard.jobs.launcher import run_command\n"
                                      "sys.exit(run_command([sys.executable, '-c', 'import torch'], 2))\n")

@@ -179,6 +179,7 @@ def bounded(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_a_fifo_run_json_is_one_line_not_a_hang(tmp_path):
     earlier(tmp_path)
     (tmp_path / "checkpoints" / "run.json").unlink()
@@ -290,6 +291,7 @@ def test_a_ddp_checkpoint_with_optimizers_under_fsdp_is_one_line(tmp_path):
         multicard.Multicard("fsdp", "cpu:1").launch(body)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_stopped_by_a_file_size_limit_is_one_line(tmp_path):
     from multicard.checkpoints import plain as checkpoint
 

@@ -160,6 +160,7 @@ def rank(tmp_path, port: int, rank: int, world: int, **env: str) -> subprocess.P
                                                                "127.0.0.1", MASTER_PORT=str(port), **env))
 
 
+@pytest.mark.slow
 def test_ranks_told_different_world_sizes_are_one_line_each(tmp_path):
     port = launcher.free_port()
     zero, one = rank(tmp_path, port, 0, 2), rank(tmp_path, port, 1, 3)
@@ -207,6 +208,7 @@ def test_a_stale_rank_pointed_at_a_live_jobs_store_is_refused_at_once(tmp_path):
     assert live.returncode == 0, live_out
 
 
+@pytest.mark.slow
 def test_a_master_addr_where_no_store_answers_shows_none_of_torchs_cpp_log():
     """Rank 1 told to meet at a loopback port where nothing listens (the tests send nothing off this machine):
     torch's client retries, each retry a C++ warning; the user sees one line, within the timeout."""

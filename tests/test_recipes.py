@@ -337,6 +337,7 @@ def test_auto_and_numbers_on_the_command_line():
     assert "(default: auto)" in parser()._subparsers._group_actions[0].choices["train"].format_help()
 
 
+@pytest.mark.slow
 def test_the_check_takes_its_own_batch_where_the_run_has_auto():
     (result,) = check(TrainConfig(devices="cpu:2", data="synthetic", synthetic_samples=128), steps=2)  # 2 x 64
     assert result.ok and result.steps == 2

@@ -63,6 +63,7 @@ def test_a_resume_refuses_what_it_cannot_change_naming_the_flag(cosine, flags, w
         small_run(cosine, resume="auto", **flags)
 
 
+@pytest.mark.slow
 def test_more_epochs_extend_a_step_schedule_and_the_change_is_said(tmp_path, capsys):
     small_run(tmp_path / "long", scheduler="step", epochs=3)
     small_run(tmp_path / "cut", scheduler="step", save_every=1)
