@@ -158,7 +158,7 @@ def test_an_interrupt_stops_every_rank_and_leaves_no_process(kernel, tmp_path):
                 f.write(str(os.getpid()))
             time.sleep(300)
         multicard.launch(sleeper, devices="cpu:2")
-    """))
+    """), stop_on_error=False)  # as nbclient sends with allow_errors: the kernel aborts no request that follows it
     deadline = time.monotonic() + 60
     while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
