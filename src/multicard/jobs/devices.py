@@ -131,7 +131,8 @@ def cpu_cores() -> int:
 
 def group_folders(root: Path, controller: str, listing: Path) -> list[Path]:
     """The folders of this process's control group in the hierarchy of `controller` ("": cgroup v2) mounted at
-    `root`, from the root of the mount to its own; `listing` (/proc/self/cgroup) says which group it is in."""
+    `root`: the root of the mount, then its own and each above it; `listing` (/proc/self/cgroup) says which group
+    it is in."""
     try:
         lines = listing.read_text().splitlines()
     except OSError:

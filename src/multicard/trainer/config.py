@@ -185,8 +185,10 @@ class TrainConfig:
         return replace(self, batch_size=batch, lr=lr)
 
     def changed(self) -> set[str]:
-        """The fields set otherwise than their defaults."""
-        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        """The fields set otherwise than a TrainConfig() has them (compared with one: a field whose default is a
+        default_factory has no f.default to compare with)."""
+        default = TrainConfig()
+        return {f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
 
     def validate(self) -> None:
         """Refuse settings that cannot work, before anything runs (torch would fail later, some after an epoch).
