@@ -268,6 +268,33 @@ def test_a_rank_that_fails_with_a_thread_left_running_is_told_at_once(tmp_path):
     assert done.returncode == 0 and done.stderr.splitlines()[-1] == "rank 1 failed", done.stderr
 
 
+# -- how a rank ends ------------------------------------------------------------------------------------------------
+_HELD: list = []  # a file a rank leaves open in a module's global: only the end of its process can flush it
+
+
+def _busy_in_torch() -> None:
+    a = torch.randn(256, 256)
+    while True:  # mostly inside torch's C++ code, the GIL let go
+        a = torch.mm(a, a).clamp(-1, 1)
+
+
+def leaves_torch_busy(mc, path: str) -> int:
+    threading.Thread(target=_busy_in_torch, daemon=True).start()
+    _HELD.append(open(f"{path}.{mc.rank}", "w"))
+    _HELD[0].write(f"rank {mc.rank} wrote this\n")
+    time.sleep(0.2)
+    return mc.rank + 41
+
+
+def test_a_rank_ends_cleanly_with_a_daemon_thread_in_torch_and_a_file_left_open(tmp_path):
+    """The interpreter's own teardown aborted a rank whose daemon thread was in torch's C++ code (SIGABRT,
+    "terminate called without an active exception": the thread takes the GIL back as the interpreter goes), as
+    it rarely did when a gloo worker freed a finished collective's tensors; a rank now ends as a forked child
+    does, and flushes the files still open first, as that teardown would have."""
+    assert multicard.launch(leaves_torch_busy, str(tmp_path / "held"), devices="cpu:2") == 41
+    assert [(tmp_path / f"held.{rank}").read_text() for rank in (0, 1)] == [f"rank {r} wrote this\n" for r in (0, 1)]
+
+
 # -- the folders of SIGKILLed launchers ---------------------------------------------------------------------------
 def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", ""])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
+import io
 import os
 import pickle
 import signal
@@ -81,7 +83,7 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
         if progress.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
             closed.end_by_sigpipe()
         _fail("trace", traceback.format_exc())
-    _watch_threads(rank)
+    _end_after_threads(rank)
 
 
 def _send(out: Any, folder: str) -> None:
@@ -123,17 +125,35 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 def _fail(kind: str, text: str) -> None:
     progress.tell_launcher(kind, text)
-    if _running():  # threads fn left running: Python would wait for them, and the failure would never be told
-        # (the launcher learns of it once this process has ended): it ends now, its way out taken first
-        from multiprocessing import util
+    _end(1)  # threads fn left running are not waited for: the launcher learns of the failure once this rank ended
 
-        util._exit_function()  # multiprocessing's finalizers, then the exit handlers and the streams
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(1)
-    sys.exit(1)
+
+def _end(code: int) -> None:
+    """End this rank as a forked multiprocessing child ends: multiprocessing's finalizers, the exit handlers, every
+    stream and file still open flushed, then os._exit. Never the interpreter's own teardown: a thread still in
+    torch's C++ code then (a gloo worker dropping a finished collective's tensors, a daemon thread mid-op) takes
+    the GIL as it goes, and the process aborts (SIGABRT, "terminate called without an active exception") after
+    fn had succeeded."""
+    from multiprocessing import util
+
+    util._exit_function()  # multiprocessing's finalizers (a Queue's last items sent), its children ended
+    atexit._run_exitfuncs()  # logging's, tempfile's, the user's own
+    for stream in (sys.stdout, sys.stderr, *_open_files()):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # what C and C++ code printed (stdio buffers a pipe or a file)
+    os._exit(code)
+
+
+def _open_files() -> list[io.IOBase]:
+    """The files this process still holds (a module's global, say), which the interpreter's teardown would have
+    flushed as it freed them; one closed already refuses the flush. Their types are asked with type(): isinstance
+    would ask each object its __class__, and some of torch's warn when asked."""
+    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    return [f for f in gc.get_objects() if issubclass(type(f), kinds)]
 
 
 def _running() -> list[threading.Thread]:
@@ -141,10 +161,11 @@ def _running() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
 
 
-def _watch_threads(rank: int) -> None:
-    """fn returned: Python now waits without limit for the threads it left running (not daemons), and the launch
-    with it. They get the job's timeout (after their exit handlers: an idle ThreadPoolExecutor ends at once); then
-    a watch ends this process without those still running, naming them."""
+def _end_after_threads(rank: int) -> None:
+    """fn returned: this rank ends once the threads it left running (not daemons) have, as Python would end it;
+    Python would wait for them without limit, and the launch with it. They get the job's timeout (after their exit
+    handlers: an idle ThreadPoolExecutor ends at once); then a watch ends this process without those still running,
+    naming them."""
     timeout = progress.progress_slot()[1] or THREADS_S
 
     def end() -> None:
@@ -159,3 +180,5 @@ def _watch_threads(rank: int) -> None:
     watch = threading.Timer(timeout, end)
     watch.daemon, watch.name = True, "multicard thread watch"
     watch.start()
+    threading._shutdown()  # as Python's exit: threading's exit handlers (an idle executor's workers end), then a join
+    _end(0)
