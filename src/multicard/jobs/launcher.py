@@ -253,7 +253,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                 note(f"{blamed[1]}; every rank was stopped")
             else:
                 others = "; the other ranks were stopped" if nprocs > 1 else ""
-                note(f"rank {rank} failed with {_how(code)} (its output is above){others}")
+                said = text if kind == "lost" else f"rank {rank} failed with {_how(code)} (its output is above)"
+                note(f"{said}{others}")
             return 128 - code if code < 0 else code
         except Stopped as e:
             stopping = e.signum  # passed on as it came: the script sees its KeyboardInterrupt on Ctrl-C, as alone

@@ -129,8 +129,9 @@ def hook_failures() -> None:
             closed.end_by_sigpipe()
         if isinstance(error, UsageError):
             tell_launcher("usage", str(error))
-        elif lost_peer(error):
-            note(f"rank {os.environ.get('RANK')} lost another rank ({LOST.search(str(error)).group()})")
+        elif lost_peer(error):  # the launcher says it where no other rank's failure is the one to name
+            lost = LOST.search(str(error)).group()
+            tell_launcher("lost", f"rank {os.environ.get('RANK')} lost another rank ({lost})")
         else:
             previous(kind, error, trace)
 
@@ -138,7 +139,8 @@ def hook_failures() -> None:
 
 
 def tell_launcher(kind: str, text: str) -> None:
-    """Leave in the job's folder how this rank failed ("usage", "said" or "trace"), for our launcher to say."""
+    """Leave in the job's folder how this rank failed ("usage", "said", "trace" or "lost"), for our launcher to
+    say."""
     path = os.path.join(os.path.dirname(os.environ[PROGRESS]), f"error-{os.environ.get('RANK', '0')}")
     with open(path, "wb") as f:
         pickle.dump((kind, text), f)
