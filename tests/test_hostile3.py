@@ -31,11 +31,21 @@ def earlier(out: Path, steps=(1, 2, 3), run: str = OLD, started: str | None = No
     for step in steps:
         folder = out / "checkpoints" / f"step-{step:08d}"
         folder.mkdir(parents=True)
-        (folder / "state.pt").write_text(f"{run} {step}")
+        torch.save(head(f"{run} {step}", step), folder / "state.pt")
         (folder / ".multicard").write_text(run + "\n")
         made.append(folder)
     (out / "checkpoints" / "run.json").write_text(json.dumps({"run": run, "from": started}))
     return made
+
+
+def head(note: str, steps: int) -> dict:
+    """The smallest state.pt --resume auto takes as a checkpoint of multicard train, with a note to tell it by."""
+    return {"config": {"batch_size": 24, "epochs": 1}, "loader": {"epoch": 0, "samples": 0}, "steps": steps,
+            "history": [], "note": note}
+
+
+def note(state: Path) -> str:
+    return torch.load(state, weights_only=True)["note"]
 
 
 def tree(root: Path) -> dict[str, bytes | str | None]:
@@ -46,7 +56,7 @@ def tree(root: Path) -> dict[str, bytes | str | None]:
 
 def states(out: Path) -> list[str]:
     """The contents of every state.pt under --out, wherever it was moved."""
-    return sorted(p.read_text() for p in out.rglob("state.pt") if safefs.kind(p) == "file")
+    return sorted(note(p) for p in out.rglob("state.pt") if safefs.kind(p) == "file")
 
 
 def train(out: Path, **overrides) -> dict:
@@ -104,7 +114,7 @@ def test_a_forged_marker_moves_nothing_out_of_out(tmp_path, marker):
     run = saves.claim(out, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep"] and os.listdir(tmp_path / "deep") == ["out"]
     unnamed = out / "checkpoints" / f"run-unnamed-{run}" / "step-00000001" / "state.pt"
-    assert unnamed.read_text() == f"{OLD} 1"  # kept aside under a name multicard makes, not one read from a file
+    assert note(unnamed) == f"{OLD} 1"  # kept aside under a name multicard makes, not one read from a file
     assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]
     assert saves.claim(out, None) != run  # and the next run into that --out is not stopped by it
 
@@ -368,7 +378,7 @@ def test_a_part_folder_a_kill_cut_short_before_its_marker_does_not_block_later_r
         (part / name).write_text(OLD + "\n")
     summary = train(tmp_path, save_every_steps=1)
     assert summary["optimizer_steps"] == 2 and safefs.kind(part) is None
-    assert [p.name for p in saves.whole(tmp_path)] == ["step-00000001", "step-00000002"]
+    assert [p.name for p in resume.whole(tmp_path)] == ["step-00000001", "step-00000002"]
 
 
 def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ def test_run_json_naming_a_checkpoint_in_out_resumes_the_one_found_there(tmp_pat
     os.replace(made[0], aside / made[0].name)
     (tmp_path / "checkpoints" / "run.json").write_text(json.dumps(
         {"run": "20250101T000000-123456", "from": str(aside / made[0].name / "state.pt")}))
-    assert resume.newest(tmp_path) == aside / made[0].name / "state.pt"
+    assert resume.newest(tmp_path / "checkpoints") == aside / made[0].name / "state.pt"
 
 
 def test_a_restart_before_the_first_checkpoint_goes_on_from_where_the_run_began(tmp_path):

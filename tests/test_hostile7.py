@@ -8,8 +8,10 @@ instead of hanging the suite, and whatever it left running is killed."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import multicard
 from conftest import ROOT, run_cli, tiny_images
 from multicard.checkpoints import resume
 from multicard.errors import UsageError
-from test_damaged import flip
+from test_damaged import flip, sparse_zip
 from test_faults import clean_env, gone, running
 from test_hostile3 import tree
 
@@ -182,11 +184,82 @@ def test_trusting_the_folder_by_flag_or_variable_lifts_the_refusal(tmp_path, mon
     vol = tmp_path / "vol"
     vol.mkdir()
     owned_by_another(monkeypatch, vol)
-    light(vol / "run1", trust_dir=f"{tmp_path / 'elsewhere'}:{vol}")
+    light(vol / "run1", trust_dir=[tmp_path / "elsewhere", str(vol)])  # several: a list (paths or str)
     assert (vol / "run1" / "model.pt").is_file()
     monkeypatch.setenv("MULTICARD_TRUST_DIR", str(vol / "run2"))  # a folder inside trusts the folders above it
     light(vol / "run2")
     assert (vol / "run2" / "model.pt").is_file()
+    monkeypatch.setenv("MULTICARD_TRUST_DIR", f"{tmp_path / 'elsewhere'}:{vol}")  # the variable: ":" separates, as PATH
+    light(vol / "run3")
+    assert (vol / "run3" / "model.pt").is_file()
+
+
+def test_a_folder_with_a_colon_in_its_name_is_trusted_whole_by_the_keyword(tmp_path, monkeypatch):
+    """--trust-dir's value is one path, ":" and all: the refusal's way out works as it says, and "a:b" never
+    trusts a and b (the variable alone separates by ":"; it would split this name, so the refusal names only the
+    flag)."""
+    vol = tmp_path / "vol:2026"
+    vol.mkdir()
+    owned_by_another(monkeypatch, vol)
+    with pytest.raises(UsageError) as refused:
+        light(vol / "run", trust_dir=f"{tmp_path / 'elsewhere'}:{vol}")  # one path, that leads nowhere
+    assert str(refused.value) == (
+        f"--out {vol / 'run'}: {vol}: belongs to another user (uid 65534), who could swap what multicard makes there "
+        f"for a link elsewhere; use a folder of your own (or chown it to you), or trust it: --trust-dir {vol}")
+    light(vol / "run", trust_dir=str(vol))
+    light(vol / "run2", trust_dir=vol)  # a path as well
+    assert (vol / "run" / "model.pt").is_file() and (vol / "run2" / "model.pt").is_file()
+    summary = json.loads((vol / "run" / "summary.json").read_text())
+    assert summary["config"]["trust_dir"] == [str(vol)]  # held as a tuple: JSON's list
+
+
+def test_a_resumed_run_never_takes_its_trust_from_the_checkpoint(tmp_path, monkeypatch):
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    owned_by_another(monkeypatch, vol)
+    light(vol / "run", trust_dir=[str(vol)], save_every_steps=1)
+    with pytest.raises(UsageError, match=f"or trust it: --trust-dir {vol} "):
+        light(vol / "run", resume="auto")
+    assert light(vol / "run", resume="auto", trust_dir=[str(vol)])["resumed_from"]
+
+
+def planted(out: Path) -> Path:
+    """A stranger's checkpoint in `out`: a state.pt whose one entry records 1 TB, every byte a hole (8 KB of disk)."""
+    step = out / "checkpoints" / "step-00000001"
+    step.mkdir(parents=True)
+    sparse_zip(step / "state.pt")
+    return step / "state.pt"
+
+
+@pytest.mark.parametrize("owned", ["out", "checkpoints"])
+def test_resume_in_a_strangers_out_is_refused_before_any_checkpoint_there_is_read(tmp_path, monkeypatch, owned):
+    out = tmp_path / "theirs"
+    state = planted(out)
+    owned_by_another(monkeypatch, out if owned == "out" else out / "checkpoints")
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
+    with pytest.raises(UsageError) as refused:
+        light(out, resume="auto")
+    where = out if owned == "out" else out / "checkpoints"
+    assert str(refused.value).startswith(f"--out {out}{': checkpoints' if owned == 'checkpoints' else ''}: belongs "
+                                         f"to another user (uid 65534)")
+    assert not [p for p in opened if p.startswith(str(where / "checkpoints" if owned == "out" else where))]
+    assert state.stat().st_size > 2**40  # untouched
+
+
+def test_a_sparse_checkpoint_in_a_trusted_out_is_passed_over_without_reading_it(tmp_path, monkeypatch, capsys):
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    light(vol / "run", save_every_steps=1, epochs=2)  # step-3 and step-4 kept
+    owned_by_another(monkeypatch, vol)
+    step = vol / "run" / "checkpoints" / "step-00000005"
+    shutil.copytree(vol / "run" / "checkpoints" / "step-00000004", step)
+    sparse_zip(step / "state.pt")  # its marker says it is this run's: --resume auto would go on from it
+    summary = light(vol / "run", resume="auto", trust_dir=[str(vol)], quiet=False, epochs=2)
+    assert summary["resumed_from"] == str(vol / "run" / "checkpoints" / "step-00000004" / "state.pt")
+    assert "not from the newer step-00000005 is damaged (its state.pt: 1,099,511,628,026 bytes of which" in \
+        capsys.readouterr().out
 
 
 def test_an_out_below_a_folder_others_can_write_into_is_refused_unless_sticky(tmp_path):
@@ -215,6 +288,24 @@ def test_the_refusal_on_the_command_line_names_the_flag_and_a_trust_elsewhere_do
         f"multicard: error: --out {shared / 'run'}: {shared}: other users can write into it (drwxrwxrwx) and could "
         f"swap what multicard makes there for a link elsewhere; run `chmod go-w {shared}` or choose another folder, "
         f"or trust it: --trust-dir {shared} (or MULTICARD_TRUST_DIR={shared})"], done.stderr
+
+
+def test_the_flag_again_trusts_two_folders_each_named_whole_colons_and_all(tmp_path):
+    """--out x:1/to/run, where x:1 is writable by others and its link `to` leads into y:2, writable by others too:
+    both folders need trusting, each named by a --trust-dir of its own (each value one path, ":" included)."""
+    x, y = tmp_path / "x:1", tmp_path / "y:2"
+    for folder in (x, y):
+        folder.mkdir()
+        folder.chmod(0o777)
+    (x / "to").symlink_to(y)
+    out = x / "to" / "run"
+    with pytest.raises(UsageError, match=f"or trust it: --trust-dir {y}$"):  # one alone does not lift it
+        light(out, trust_dir=[x])
+    done = run_cli("train", "--out", str(out), "--trust-dir", str(x), "--trust-dir", str(y), "--data", "synthetic",
+                   "--synthetic-samples", "64", "--epochs", "1", "--batch-size", "32", "--quiet", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (y / "run" / "model.pt").is_file()
+    assert json.loads((y / "run" / "summary.json").read_text())["config"]["trust_dir"] == [str(x), str(y)]
 
 
 # -- damage that falls back, named truly -----------------------------------------------------------------------------

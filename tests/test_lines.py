@@ -1,15 +1,21 @@
 """Issue 33's tracebacks where a line was due, and its smaller items: a return value that cannot come back, Ctrl-C
 while the ranks import torch, an optimizer fsdp cannot step, a launch without the `__main__` guard, an integer flag
-past 64 bits, a long line relayed to a notebook, a thread fn leaves running, the folders of SIGKILLed launchers.
+past 64 bits, a long line relayed to a notebook, a thread fn leaves running, the folders of SIGKILLed launchers; and
+issue 47's full disk and file-size limit where launch writes fn's arguments or rank 0 its return value.
 Each job runs in a child process with a time limit, so a regression fails instead of hanging the suite."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import io
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -21,9 +27,10 @@ from torch import nn
 import multicard
 from conftest import HUNG_S, run_cli
 from multicard.errors import UsageError
-from multicard.jobs import jobdir, shipping, streams
+from multicard.jobs import jobdir, progress, shipping, spawned, streams
 from multicard.trainer.config import TrainConfig
 from test_faults import clean_env, dispositions
+from test_hostile7 import left
 
 CATCH = """
 import sys
@@ -351,3 +358,124 @@ def test_a_sigkilled_launchers_folder_is_removed_at_the_next_start(tmp_path):
     done = run([*command, "0"], tmp_path, env={"TMPDIR": str(tmp)})
     assert done.returncode == 0, done.stderr
     assert list(tmp.glob("multicard-job-*")) == []
+
+
+# -- a full disk, the file-size limit -----------------------------------------------------------------------------
+BIG = """
+    import sys, multicard
+    def takes(mc, big):
+        return len(big)
+    def gives(mc):
+        return b"x" * 8_000_000
+    def main():
+        if sys.argv[1] == "argument":
+            multicard.launch(takes, b"x" * 8_000_000, strategy="ddp", devices="cpu:2")
+        else:
+            multicard.launch(gives, strategy="ddp", devices="cpu:2")
+"""
+FSIZE = 4_000_000
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+NO_ROOM = "free space there, or set TMPDIR to a folder with room"
+PAST_LIMIT = "File too large (the file-size limit, ulimit -f, is 4.0 MB); raise the limit (ulimit -f)"
+ARGUMENT = ("UsageError: cannot start the job: fn and its arguments (8.0 MB pickled) could not be written into the "
+            "job's folder in {tmp}: {why}, or pass less (large data: pass its path, and load it inside fn)")
+RETURNED = ("UsageError: the job ran, but fn's return value on rank 0 could not be handed back: it (8.0 MB pickled) "
+            "could not be written into the job's folder in {tmp}: {why}, or return less (save a large result to a "
+            "file in fn, and return its path); what fn did (its files) is kept")
+
+
+def file_size_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MB file system of its own (tmpfs), for TMPDIR; skipped where this test run cannot mount one (not root,
+    a container that refuses mounts): there a write meeting ENOSPC is played below instead."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = shutil.which("mount")
+    if os.geteuid() != 0 or not mount or subprocess.run([mount, "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                                                        capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here")
+    yield disk
+    subprocess.run([shutil.which("umount") or "umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("what", ["argument", "return value"])
+@pytest.mark.parametrize("how", ["file-size limit", "full disk"])
+def test_an_argument_or_a_return_value_that_cannot_be_written_is_one_line_and_nothing_is_left(tmp_path, how, what,
+                                                                                               request):
+    """An 8 MB argument (the launcher writes it into the job's folder), or fn's 8 MB return value (rank 0 writes it
+    there), past a 4 MB file-size limit (ulimit -f) or on a 2 MB TMPDIR: one line, no traceback from any process,
+    no rank left running, no job folder left."""
+    if how == "full disk":
+        tmp, why, limit = request.getfixturevalue("small_disk"), f"No space left on device; {NO_ROOM}", None
+    else:
+        tmp, why, limit = tmp_path / "tmp", PAST_LIMIT, file_size_limit
+        tmp.mkdir()
+    done = run([*script(tmp_path, BIG), what], tmp_path, env={"TMPDIR": str(tmp)}, preexec_fn=limit)
+    line = (ARGUMENT if what == "argument" else RETURNED).format(tmp=tmp, why=why)
+    assert done.returncode == 2 and done.stderr.splitlines() == [line], done.stderr
+    assert list(tmp.iterdir()) == [] and left(tmp) == []
+
+
+def full_at(name: str, written: int = 1000):
+    """open() for a module whose writes of file `name` meet a full disk once `written` bytes are in (as a write
+    that fills the disk leaves them)."""
+    def opened(path, mode="r", *args, **kwargs):
+        if os.path.basename(path) != name:
+            return builtins.open(path, mode, *args, **kwargs)
+        with builtins.open(path, mode) as f:
+            f.write(b"x" * written)
+        raise ENOSPC
+    return opened
+
+
+def test_a_full_disk_where_launch_writes_fn_and_its_arguments_is_one_line_and_no_folder_is_left(tmp_path,
+                                                                                                monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(jobdir, "open", full_at(spawned.WORK), raising=False)
+    with pytest.raises(UsageError) as refused:
+        multicard.launch(len, b"x" * 8_000_000, strategy="ddp", devices="cpu:2")
+    assert f"UsageError: {refused.value}" == ARGUMENT.format(tmp=tmp_path, why=f"No space left on device; {NO_ROOM}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_return_value_a_full_disk_refuses_is_one_line_and_its_part_is_removed_for_the_ranks_word(tmp_path,
+                                                                                                   monkeypatch):
+    folder = tmp_path / "multicard-job-1-x"
+    folder.mkdir()
+    monkeypatch.setattr(jobdir, "open", full_at("result"), raising=False)
+    with pytest.raises(UsageError) as refused:
+        spawned._send(b"x" * 8_000_000, str(folder))
+    assert f"UsageError: {refused.value}" == RETURNED.format(tmp=tmp_path, why=f"No space left on device; {NO_ROOM}")
+    assert list(folder.iterdir()) == []
+
+
+def test_a_job_folder_a_full_disk_refuses_is_one_line(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise ENOSPC
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "mkdtemp", full)
+    with pytest.raises(UsageError) as refused, jobdir.job_folder():
+        pass
+    assert str(refused.value) == f"cannot start the job: its folder could not be made in {tmp_path}: No space " \
+                                 f"left on device; {NO_ROOM}"
+    monkeypatch.setattr(progress, "open", full_at("progress-0", 0), raising=False)
+    (tmp_path / "multicard-job-1-x").mkdir()
+    with pytest.raises(UsageError) as refused:
+        progress.new_slot(str(tmp_path / "multicard-job-1-x" / "progress-0"))
+    assert str(refused.value) == f"cannot start the job: its ranks' progress files could not be written into the " \
+                                 f"job's folder in {tmp_path}: No space left on device; {NO_ROOM}"
+
+
+def test_a_rank_whose_failure_a_full_disk_keeps_from_the_launcher_says_it_itself(tmp_path, monkeypatch, capsys):
+    (tmp_path / "multicard-job-1-x").mkdir()
+    monkeypatch.setenv(progress.PROGRESS, str(tmp_path / "multicard-job-1-x" / "progress-1"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(progress, "open", full_at("error-1", 10), raising=False)
+    progress.tell_launcher("usage", "--data nowhere: no such folder")
+    assert capsys.readouterr().err == "multicard: rank 1: --data nowhere: no such folder\n"
+    assert list((tmp_path / "multicard-job-1-x").iterdir()) == []

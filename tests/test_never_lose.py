@@ -7,16 +7,19 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import multicard
 from conftest import shown, tiny_images
 from multicard.checkpoints import resume, saves, shards_read
 from multicard.errors import UsageError
 from multicard.models import LeNet5
+from multicard.trainer import outdir
 from multicard.trainer.outdir import FILES, Output
 
 LIGHT = dict(quiet=True, batch_size=24, strategy="single", devices="cpu")  # 96 samples: 4 steps per epoch
@@ -202,9 +205,95 @@ def test_a_checkpoints_link_is_refused_and_nothing_outside_deleted(tmp_path):
     with pytest.raises(UsageError, match="checkpoints there is a link"):
         run(out, save_every_steps=1, keep_checkpoints=1)
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
-    with pytest.raises(UsageError, match="through a link"):
-        saves.drop(out / "checkpoints" / "step-00000001")
+    with pytest.raises(UsageError, match="checkpoints: is a link, not a folder multicard made"):
+        saves.hold(out)  # every write and deletion in checkpoints/ goes through it held, never through a link
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
+
+
+class Exchange:
+    """The other user, in the process that writes the checkpoints: for the length of every os.open, os.mkdir,
+    os.replace, os.rename and os.unlink that process makes, our checkpoints/ is exchanged for a link to another
+    run's checkpoints/, and put back after (as renameat2's exchange, watching with inotify, does it for 300 µs)."""
+
+    CALLS = ("open", "mkdir", "replace", "rename", "unlink")
+
+    def __init__(self, ours: Path, theirs: Path):
+        self.ours, self.theirs, self.aside = ours, theirs, ours.with_name("checkpoints.exchanged")
+        self.real = {name: getattr(os, name) for name in self.CALLS}
+        self.lock, self.depth = threading.RLock(), 0
+
+    def install(self) -> None:
+        for name, real in self.real.items():
+            setattr(os, name, self.around(real))
+
+    def uninstall(self) -> None:
+        for name, real in self.real.items():
+            setattr(os, name, real)
+
+    def around(self, real):
+        def call(*args, **kwargs):
+            with self.lock:
+                self.depth += 1
+                if self.depth == 1:
+                    self.real["rename"](self.ours, self.aside)
+                    os.symlink(self.theirs, self.ours)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    if self.depth == 1:
+                        self.real["unlink"](self.ours)
+                        self.real["rename"](self.aside, self.ours)
+                    self.depth -= 1
+        return call
+
+
+class Exchanging(nn.Sequential):
+    """A small model whose forward, in rank 0 once our first checkpoint is whole, lets the other user in."""
+
+    def __init__(self, out: Path, theirs: Path):
+        super().__init__(nn.Flatten(), nn.Linear(784, 10))
+        self.out, self.theirs, self.exchange = str(out), str(theirs), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ours = Path(self.out) / "checkpoints"
+        if self.exchange is None and os.environ.get("RANK", "0") == "0" and (ours / "step-00000001").is_dir():
+            self.exchange = Exchange(ours, Path(self.theirs) / "checkpoints")
+            self.exchange.install()
+        return super().forward(x)
+
+
+def exchanged_at_every_call(tmp_path: Path, **job) -> None:
+    """Another run's checkpoints sit beside ours; from our second save on, our checkpoints/ is a link to theirs
+    during every call that opens, makes, renames or removes something. Nothing of theirs changes, and every
+    checkpoint of ours lands in our own folder."""
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    run(theirs, save_every_steps=1)
+    before = tree(theirs / "checkpoints")
+    torch.manual_seed(0)
+    model = Exchanging(mine, theirs)
+    try:
+        multicard.train(model, tiny_images(96), None, out=str(mine), **{
+            **LIGHT, "epochs": 2, "save_every_steps": 1, "keep_checkpoints": 3, **job})
+    finally:  # however the run ended
+        if model.exchange is not None:
+            model.exchange.uninstall()
+        assert tree(theirs / "checkpoints") == before
+    own = resume.owner(mine)["run"]
+    assert [p.name for p in resume.whole(mine, own)] == [f"step-0000000{s}" for s in (6, 7, 8)]
+    assert not (mine / "checkpoints.exchanged").exists() and (mine / "model.pt").is_file()
+
+
+def test_checkpoints_swapped_for_a_link_at_every_call_of_a_save_redirect_nothing(tmp_path):
+    exchanged_at_every_call(tmp_path)
+
+
+def test_under_fsdp_checkpoints_swapped_at_every_call_of_rank_0_redirect_no_shard(tmp_path):
+    exchanged_at_every_call(tmp_path, strategy="fsdp", devices="cpu:2")
+
+
+@pytest.mark.slow
+def test_under_ddp_checkpoints_swapped_at_every_call_of_rank_0_redirect_nothing(tmp_path):
+    exchanged_at_every_call(tmp_path, strategy="ddp", devices="cpu:2")
 
 
 # -- 4. --out all or nothing ---------------------------------------------------------------------------------------
@@ -284,9 +373,66 @@ def test_a_run_missing_a_file_is_not_published(tmp_path):
 
 
 # -- the --out and checkpoint inputs of item 7 ---------------------------------------------------------------------
-def test_an_out_in_proc_is_one_line():
-    with pytest.raises(UsageError, match="--out /proc/self/fd: is inside proc/"):
-        Output("/proc/self/fd")
+@pytest.mark.parametrize("out, said", [
+    ("/proc/self/fd", "is inside /proc (proc, a filesystem of the kernel's)"),
+    ("/proc/self/no-such/run", "is inside /proc (proc, a filesystem of the kernel's)"),
+    ("/sys/kernel/run", "is inside /sys (sysfs, a filesystem of the kernel's)"),
+    ("/dev/null", "is a device"),
+    ("/dev/null/run", "/dev/null is a device"),
+])
+def test_an_out_in_a_filesystem_of_the_kernels_or_through_a_device_is_one_line(out, said):
+    if not Path(*Path(out).parts[:3]).exists():
+        pytest.skip(f"no {Path(*Path(out).parts[:3])} here")
+    with pytest.raises(UsageError) as refused:
+        Output(out)
+    assert str(refused.value) == f"--out {out}: {said}, no place for files; name a folder"
+
+
+def test_an_out_in_dev_itself_is_refused_by_its_filesystem_type():
+    if outdir.filesystem(Path("/dev"), os.stat("/dev").st_dev) != ("devtmpfs", "/dev"):
+        pytest.skip("/dev is no devtmpfs here (a container's tmpfs is a place for files)")
+    with pytest.raises(UsageError, match=r"^--out /dev/run: is inside /dev \(devtmpfs, a filesystem of the kernel's\), "
+                                         r"no place for files; name a folder$"):
+        Output("/dev/run")
+    assert not Path("/dev/run").exists()
+
+
+def test_an_out_in_dev_shm_trains_as_anywhere_else(tmp_path):
+    """/dev/shm is a tmpfs under /dev: a place for files (scratch many use), not a filesystem of the kernel's."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or outdir.filesystem(shm, os.stat(shm).st_dev) != ("tmpfs", "/dev/shm") \
+            or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm here")
+    out = shm / f"multicard-test-{os.getpid()}-{tmp_path.name}" / "run"
+    try:
+        run(out)
+        assert set(shown(out)) == set(FILES)
+    finally:
+        import shutil
+        shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def test_without_mountinfo_the_kernels_folders_are_told_by_their_place_and_dev_shm_is_allowed(monkeypatch):
+    """Elsewhere than Linux (no /proc/self/mountinfo): /proc, /sys and /dev are refused, /dev/shm is not."""
+    monkeypatch.setattr(outdir, "MOUNTINFO", Path("/no/mountinfo"))
+    assert outdir.no_place(Path("/proc/self/fd")) == "is inside /proc (proc, a filesystem of the kernel's)"
+    assert outdir.no_place(Path("/sys/run")) == "is inside /sys (sysfs, a filesystem of the kernel's)"
+    assert outdir.no_place(Path("/dev/run")) == "is inside /dev (devfs, a filesystem of the kernel's)"
+    assert outdir.no_place(Path("/dev/shm/run")) is None
+    assert outdir.no_place(Path("/tmp/run")) is None
+
+
+def test_the_filesystem_is_read_from_mountinfo_by_device_innermost_mount_first(tmp_path, monkeypatch):
+    """A mount point with a space (written \\040), and two mounts of one device: the one holding the folder."""
+    info = tmp_path / "mountinfo"
+    info.write_text("22 27 0:21 / /proc rw - proc proc rw\n"
+                    "40 27 0:99 / /mnt/a\\040b rw,relatime - tmpfs tmpfs rw\n"
+                    "41 27 0:99 / /mnt/a\\040b/deeper rw,relatime shared:5 - tmpfs tmpfs rw\n")
+    monkeypatch.setattr(outdir, "MOUNTINFO", info)
+    assert outdir.filesystem(Path("/mnt/a b/deeper/x"), os.makedev(0, 99)) == ("tmpfs", "/mnt/a b/deeper")
+    assert outdir.filesystem(Path("/mnt/a b/x"), os.makedev(0, 99)) == ("tmpfs", "/mnt/a b")
+    assert outdir.filesystem(Path("/proc/x"), os.makedev(0, 21)) == ("proc", "/proc")
+    assert outdir.filesystem(Path("/x"), os.makedev(7, 7)) == ("", "")  # unknown: a place for files
 
 
 def test_an_out_out_of_space_is_one_line(tmp_path, monkeypatch):

@@ -101,11 +101,13 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata.get("help", "")
         if "(default:" not in help:  # a help that says its default in words keeps them
-            help += f" (default: {'auto' if default is None else 'none' if default == '' else default})"
+            help += f" (default: {'auto' if default is None else 'none' if default in ('', ()) else default})"
         kind = str(f.type).removesuffix(" | None")  # None: auto, settled for the job
         add = group.get(f.name, parser).add_argument
         if kind == "bool":
             add(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help)
+        elif f.metadata.get("many"):  # each value whole (--trust-dir A --trust-dir B), a list
+            add(flag, action="append", type=str, default=argparse.SUPPRESS, help=help, metavar=f.name.upper())
         else:
             number = {"int": int, "float": float}.get(kind)
             add(flag, type=value(number, default is None) if number else str, default=argparse.SUPPRESS, help=help,

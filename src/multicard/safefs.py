@@ -7,7 +7,8 @@ temporaries under a fresh random name with O_EXCL, so a name planted in advance 
 
 And against a user who can write where multicard writes, while it writes: a folder multicard makes is held open
 (Folder) and written through that descriptor, never again by its name, so renaming it and planting a link in its
-place redirects nothing; a folder others could rename things in is refused (guard), as ssh refuses such a home.
+place redirects nothing; a folder others could rename things in is refused (trainer/trust.py), as ssh refuses
+such a home.
 """
 
 from __future__ import annotations
@@ -34,15 +35,26 @@ _shown: dict[int, Path] = {}  # descriptor -> the path a held folder is named by
 def kind(path: Path) -> str | None:
     """What is at `path` itself (a link is not followed): "file", "folder", "link", "fifo", ... or None."""
     try:
-        mode = os.lstat(path).st_mode
+        return kind_of(os.lstat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+def kind_of(mode: int) -> str:
     for test, name in ((stat.S_ISREG, "file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "link"),
                        (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"),
                        (stat.S_ISBLK, "device")):
         if test(mode):
             return name
     return "special file"
+
+
+def kind_in(fd: int, name: str) -> str | None:
+    """kind() of `name` in the folder held as `fd`."""
+    try:
+        return kind_of(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def is_folder(path: Path) -> bool:
@@ -54,6 +66,32 @@ def read_bytes(path: Path, limit: int, what: str | None = None) -> bytes:
     """The bytes of the regular file at `path`, refused in one line if it is anything else (a link, a FIFO, a
     device, a folder) or larger than `limit`. `what`: how the line names it (default: the path)."""
     what = what or str(path)
+    fd, size = _open_file(path, what)
+    try:
+        if size > limit:
+            raise UsageError(f"{what}: is {size} bytes, more than the {limit} a file of its kind holds; "
+                             f"not multicard's (move it elsewhere)")
+        got = _read(fd, limit + 1, what)
+        if len(got) > limit:  # grew while read
+            raise UsageError(f"{what}: more than the {limit} bytes a file of its kind holds; not multicard's")
+        return got
+    finally:
+        os.close(fd)
+
+
+def first_bytes(path: Path, n: int, what: str | None = None) -> bytes:
+    """At most the first `n` bytes of the regular file at `path`, refused as read_bytes refuses anything else."""
+    what = what or str(path)
+    fd, _ = _open_file(path, what)
+    try:
+        return _read(fd, n, what)
+    finally:
+        os.close(fd)
+
+
+def _open_file(path: Path, what: str) -> tuple[int, int]:
+    """The regular file at `path` opened for reading (never through a link, never blocking on a FIFO), and its
+    size; anything else is one line."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -61,25 +99,22 @@ def read_bytes(path: Path, limit: int, what: str | None = None) -> bytes:
         if found not in (None, "file"):
             raise UsageError(f"{what}: is a {found}, not a file multicard wrote; move it elsewhere") from None
         raise UsageError(f"{what}: cannot be read ({e.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise UsageError(f"{what}: is a {kind_of(info.st_mode)}, not a file multicard wrote; move it elsewhere")
+    return fd, info.st_size
+
+
+def _read(fd: int, most: int, what: str) -> bytes:
+    chunks, got = [], 0
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{what}: is a {kind(path) or 'special file'}, not a file multicard wrote; move it "
-                             f"elsewhere")
-        if info.st_size > limit:
-            raise UsageError(f"{what}: is {info.st_size} bytes, more than the {limit} a file of its kind holds; "
-                             f"not multicard's (move it elsewhere)")
-        chunks, got = [], 0
-        while got <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - got))):
+        while got < most and (chunk := os.read(fd, min(1 << 20, most - got))):
             chunks.append(chunk)
             got += len(chunk)
-        if got > limit:  # grew while read
-            raise UsageError(f"{what}: more than the {limit} bytes a file of its kind holds; not multicard's")
-        return b"".join(chunks)
     except OSError as e:
         raise UsageError(f"{what}: cannot be read ({e.strerror})") from None
-    finally:
-        os.close(fd)
+    return b"".join(chunks)
 
 
 def temporary_name(stem: str) -> str:
@@ -111,19 +146,6 @@ def make_folder(path: Path, what: str) -> Path:
     if found != "folder":
         raise UsageError(f"{what}: is a {found}, not a folder multicard made; move it elsewhere")
     return path
-
-
-def guard(info: os.stat_result, what: str, path: Path, way_out: str = "") -> None:
-    """Refuse a folder in which another user could swap what multicard makes for a link elsewhere: one owned by
-    another user (root aside), or writable by group or others without the sticky bit (ssh's rule for a home).
-    `way_out`: what the line adds as the last way out."""
-    if info.st_uid not in (os.geteuid(), 0):
-        raise UsageError(f"{what}: belongs to another user (uid {info.st_uid}), who could swap what multicard makes "
-                         f"there for a link elsewhere; use a folder of your own (or chown it to you){way_out}")
-    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
-        raise UsageError(f"{what}: other users can write into it ({stat.filemode(info.st_mode)}) and could swap "
-                         f"what multicard makes there for a link elsewhere; run `chmod go-w {path}` or choose "
-                         f"another folder{way_out}")
 
 
 class Made(NamedTuple):
@@ -194,6 +216,29 @@ class Folder:
             folder.close()
             raise UsageError(replaced(what))
         return folder
+
+    def child(self, name: str, what: str, make: bool = False) -> Folder | None:
+        """The folder `name` in this one, held (made first where it is missing and `make`; else None then). A
+        link, a file or anything else under that name is one line: never followed, never replaced."""
+        for attempt in (0, 1):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+                return Folder(fd, self.shown / name)
+            except FileNotFoundError:
+                if not make or attempt:
+                    return None
+            except OSError as e:
+                found = kind_in(self.fd, name)
+                if found not in (None, "folder"):
+                    raise UsageError(f"{what}: is a {found}, not a folder multicard made; move it elsewhere") from None
+                raise UsageError(f"{what}: cannot be opened as a folder ({e.strerror})") from None
+            try:
+                os.mkdir(name, FOLDER_MODE, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise UsageError(f"{what}: cannot be made ({e.strerror})") from None
+        return None
 
     def holds(self, name: str, folder: Folder) -> bool:
         """Whether `name` here is still `folder` (not renamed away, nothing put in its place)."""

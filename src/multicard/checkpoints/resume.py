@@ -37,10 +37,14 @@ RUN_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{6}")  # what new_id() makes; a marker
 
 
 def whole(out: str | Path, run: str | None = None) -> list[Path]:
-    """The complete checkpoints in --out (or in a folder of checkpoints), oldest first; with `run`, that run's.
-    Links are never followed: a checkpoint is a real folder holding a regular state.pt."""
-    where = Path(out) / FOLDER if safefs.is_folder(Path(out) / FOLDER) else Path(out)
-    found = [(int(m.group(1)), p) for p in where.glob("step-*")
+    """The complete checkpoints in --out (or in a folder of checkpoints), oldest first; with `run`, that run's."""
+    return listed(Path(out) / FOLDER if safefs.is_folder(Path(out) / FOLDER) else Path(out), run)
+
+
+def listed(folder: Path, run: str | None = None) -> list[Path]:
+    """The complete checkpoints in a folder of checkpoints, oldest first; with `run`, that run's. Links are never
+    followed: a checkpoint is a real folder holding a regular state.pt."""
+    found = [(int(m.group(1)), p) for p in folder.glob("step-*")
              if (m := NAME.fullmatch(p.name)) and safefs.is_folder(p) and safefs.kind(p / "state.pt") == "file"]
     return [p for _, p in sorted(found) if run is None or run_of(p) == run]
 
@@ -61,15 +65,16 @@ def owner(out: str | Path) -> dict | None:
     started from or None}; None where no run has claimed the folder (a new --out, or an older version's) or
     where run.json does not say (read_owner() says why). A run.json that is not a regular file (a FIFO, a
     folder, a link) or too large to be multicard's is one line."""
-    return read_owner(out)[0]
+    return read_owner(Path(out) / FOLDER)[0]
 
 
-def read_owner(out: str | Path) -> tuple[dict | None, str | None]:
-    """owner(), and what is wrong with a run.json there that names no run (None: there is none, or it names one)."""
-    path = Path(out) / FOLDER / OWNER
+def read_owner(folder: Path) -> tuple[dict | None, str | None]:
+    """owner() of a folder of checkpoints, and what is wrong with a run.json there that names no run (None: there
+    is none, or it names one)."""
+    path = folder / OWNER
     if safefs.kind(path) is None:
         return None, None
-    raw = safefs.read_bytes(path, safefs.SMALL, f"--out {safefs.shown(out)}: {FOLDER}/{OWNER}")
+    raw = safefs.read_bytes(path, safefs.SMALL, safefs.shown(path))
     try:
         found = json.loads(raw)
     except ValueError:
@@ -79,46 +84,83 @@ def read_owner(out: str | Path) -> tuple[dict | None, str | None]:
     return None, "names no run as multicard writes it"
 
 
-def newest(out: str | Path, outside: bool = True, skipped: list[str] | None = None) -> Path | None:
-    """What --resume auto goes on from: the newest sound checkpoint of the run that owns --out/checkpoints, or,
-    where it wrote none (or only damaged ones), the checkpoint that run started from (None: it started from the
-    beginning). In a folder no run owns (an older version's), its newest sound checkpoint. A damaged one is
-    passed over, and said in `skipped`; where every one is damaged, that is one line.
+def newest(folder: Path, outside: bool = True, skipped: list[str] | None = None) -> Path | None:
+    """What --resume auto goes on from in a folder of checkpoints (--out/checkpoints): the newest sound checkpoint
+    of the run that owns it, or, where it wrote none (or only damaged ones), the checkpoint that run started from
+    (None: it started from the beginning). In a folder no run owns (an older version's), its newest sound
+    checkpoint. One that cannot be resumed from, whatever its bytes (flaw()), is passed over, and said in
+    `skipped`; where every one is, that is one line.
 
     The checkpoint run.json says the run started from is looked for among the checkpoints found in --out
     (never a path read from a file and opened as it is): one elsewhere is one line that names it, to be given as
     --resume by the user (`outside`=False: None instead)."""
-    own = owner(out)
-    found = [c / "state.pt" for c in reversed(whole(out) if own is None else whole(out, own["run"]))]
+    own = read_owner(folder)[0]
+    found = [c / "state.pt" for c in reversed(listed(folder) if own is None else listed(folder, own["run"]))]
     started = own.get("from") if own is not None else None
     if isinstance(started, str):
-        start = next((c / "state.pt" for c in inside(out) if same(c / "state.pt", Path(started))), None)
+        start = next((c / "state.pt" for c in inside(folder) if same(c / "state.pt", Path(started))), None)
         if start is None and not found:
             if not outside:
                 return None
-            raise UsageError(f"--resume auto: the run in {safefs.shown(Path(out) / FOLDER)} started from "
-                             f"{started[:300]!r}, which is not a checkpoint in --out, and wrote none of its own: to go "
-                             f"on from there, give it as --resume; to start over, leave --resume out")
+            raise UsageError(f"--resume auto: the run in {safefs.shown(folder)} started from {started[:300]!r}, "
+                             f"which is not a checkpoint in --out, and wrote none of its own: to go on from there, "
+                             f"give it as --resume; to start over, leave --resume out")
         found += [start] if start is not None else []
-    damaged = []
+    passed = []
     for checkpoint in found:
-        why = (f"is damaged ({wrong})" if (wrong := damage(checkpoint)) else
-               f"is unreadable ({wrong})" if (wrong := unreadable(checkpoint)) else None)
+        why = flaw(checkpoint)
         if why is None:
-            (skipped if skipped is not None else []).extend(damaged)
+            (skipped if skipped is not None else []).extend(passed)
             return checkpoint
-        damaged.append(f"{checkpoint.parent.name} {why}")
-    if damaged:
-        raise UsageError(f"--resume auto: every checkpoint it could go on from in {safefs.shown(Path(out) / FOLDER)} "
-                         f"is damaged ({damaged[0]}); give an earlier run's checkpoint as --resume, or start over "
-                         f"without it")
+        passed.append(f"{checkpoint.parent.name} {why}")
+    if passed:
+        raise UsageError(f"--resume auto: every checkpoint it could go on from in {safefs.shown(folder)} is damaged "
+                         f"({passed[0]}); give an earlier run's checkpoint as --resume, or start over without it")
     return None
+
+
+def flaw(path: Path) -> str | None:
+    """Why --resume auto cannot go on from checkpoint `path` (a state.pt), in a few words, whatever its bytes hold
+    (None: it can): not what torch.save writes (empty, zeros, text), bytes not those its save wrote (a file or a
+    shard), a zip torch cannot read, or a head that is not a checkpoint of multicard train's."""
+    if wrong := foreign(path):
+        return f"is damaged ({wrong})"
+    if wrong := damage(path):
+        return f"is damaged ({wrong})"
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many kinds for a file cut short or foreign
+        return f"is unreadable (its {path.name}: {failed(e)})"
+    wrong = unplaced(raw) or unsound(raw)
+    return f"is not as multicard train writes it ({wrong})" if wrong else None
+
+
+def failed(e: Exception) -> str:
+    """The first words of what torch.load raised."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:120]
+
+
+def foreign(path: Path) -> str | None:
+    """What a checkpoint file that is no zip archive holds instead (None: it begins as one; torch.save writes
+    nothing else): empty, zeros (a torn or zero-filled write), or anything else."""
+    try:
+        first = safefs.first_bytes(path, 4096, safefs.shown(path))
+    except UsageError as e:
+        return str(e)
+    if first.startswith(sums.ZIP):
+        return None
+    if not first:
+        return f"its {path.name} is empty"
+    if not first.strip(b"\0"):
+        return f"its {path.name} begins with {len(first):,} zero bytes (a torn or zero-filled write)"
+    return f"its {path.name} is not a zip archive as torch.save writes (it begins {first[:12]!r})"
 
 
 def damage(path: Path) -> str | None:
     """What of checkpoint `path` (a state.pt) is not as its save wrote it: the file, or under fsdp a file of its
     shards folder (None: nothing; one that cannot be read at all is head()'s to say). Each checkpoint's files are
-    read once per process while they stay as they are (a file replaced or rewritten is read again)."""
+    read once per process while they stay as they are (a file replaced or rewritten is read again); no more of
+    them than their own directory records, and no file mostly holes (sums.overdrawn)."""
     return _damage(path, *_identity(path), *(_identity(f) for f in sorted(path.parent.glob(f"{path.stem}.shards-*/*"))))
 
 
@@ -143,28 +185,10 @@ def _damage(path: Path, *identity: int | tuple) -> str | None:
     return f"its shards: {found}" if found else None
 
 
-def unreadable(path: Path) -> str | None:
-    """Why torch cannot read checkpoint `path` (a state.pt), a zip as torch.save writes it, at all: cut short (its
-    zip directory gone). None where it can, or where it is no zip (head() says what it is then). --resume auto
-    passes it over, as a damaged one."""
-    with open(path, "rb") as f:
-        if f.read(len(sums.ZIP)) != sums.ZIP:
-            return None
-    try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many kinds for a file cut short or foreign
-        said = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
-        return f"its {path.name}: {said[:120]}"
-    return None
-
-
-def inside(out: str | Path) -> list[Path]:
-    """Every whole checkpoint in --out/checkpoints and in its run-<id> folders (found by listing; no link
+def inside(folder: Path) -> list[Path]:
+    """Every whole checkpoint in a folder of checkpoints and in its run-<id> folders (found by listing; no link
     followed)."""
-    folder = Path(out) / FOLDER
-    if not safefs.is_folder(folder):
-        return []
-    return [*whole(out), *(c for run in sorted(folder.glob("run-*")) if safefs.is_folder(run) for c in whole(run))]
+    return [*listed(folder), *(c for run in sorted(folder.glob("run-*")) if safefs.is_folder(run) for c in listed(run))]
 
 
 def same(a: Path | None, b: Path | None) -> bool:
@@ -179,14 +203,14 @@ def resolve(spec: str, out: str | Path, outside: bool = True, skipped: list[str]
     if not spec:
         return None
     if spec == "auto":
-        return newest(out, outside, skipped)
+        return newest(Path(out) / FOLDER, outside, skipped) if safefs.is_folder(Path(out) / FOLDER) else None
     path = Path(spec)
     if path.is_dir():
         if (path / "state.pt").is_file():
             path = path / "state.pt"
         else:
             base = path.parent if path.name == FOLDER else path
-            path = (newest(base) if (base / FOLDER / OWNER).is_file() else None) or \
+            path = (newest(base / FOLDER) if (base / FOLDER / OWNER).is_file() else None) or \
                 next((p / "state.pt" for p in whole(base)[-1:]), path)
     if not path.is_file():
         raise UsageError(f"--resume {spec}: no checkpoint there (a step-N folder of --out/{FOLDER}, its state.pt, "
@@ -197,15 +221,18 @@ def resolve(spec: str, out: str | Path, outside: bool = True, skipped: list[str]
 def head(path: Path) -> dict:
     """A checkpoint of multicard train, read lazily (its tensors stay on disk) and its place checked; one that
     is not, whose bytes are not those its save wrote, or whose place was edited into nonsense, is one line."""
+    if wrong := foreign(path):
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({wrong}); resume from another checkpoint")
     if wrong := damage(path):
         raise UsageError(f"--resume {path}: damaged: {wrong}, so its bytes are not those its save wrote; resume "
                          f"from another checkpoint")
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(raw, dict) or not {"loader", "steps", "config"} <= raw.keys():
-        raise UsageError(f"--resume {path}: not a checkpoint of multicard train (it has no place in the data)")
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__}: {failed(e)}); resume "
+                         f"from another checkpoint") from None
+    if wrong := unplaced(raw):
+        raise UsageError(f"--resume {path}: not a checkpoint of multicard train ({wrong})")
     if wrong := unsound(raw):
         raise UsageError(f"--resume {path}: {wrong}: not as multicard train writes it (edited or damaged); resume "
                          f"from another checkpoint")
@@ -214,6 +241,13 @@ def head(path: Path) -> dict:
 
 def count(value, low: int = 0, high: float = math.inf) -> bool:
     return type(value) is int and low <= value <= high
+
+
+def unplaced(raw: object) -> str | None:
+    """Why a file torch reads back is no checkpoint of multicard train (None: it is one)."""
+    if not isinstance(raw, dict) or not {"loader", "steps", "config"} <= raw.keys():
+        return "it has no place in the data"
+    return None
 
 
 def unsound(raw: dict) -> str | None:

@@ -1,7 +1,12 @@
 """Writing the trainer's checkpoints in --out/checkpoints: claiming the folder for a run (the earlier runs' checkpoints
 moved aside, nothing deleted), writing each checkpoint whole, and pruning this run's oldest. The layout and the
-ownership rules are in resume.py's docstring; reading is there too. `out` is --out as the process holds it open
-(outdir.py: /proc/self/fd/N), so every path here is reached through it; lines name it by its own path (shown).
+ownership rules are in resume.py's docstring; reading is there too.
+
+Every write goes through folders held open. `out` is --out as the process holds it (outdir.py: /proc/self/fd/N);
+checkpoints/ is opened in it once, never through a link, its owner checked (hold), and held: for a claim, or for
+the whole run (Checkpointer). Each step-N is made, written, renamed and pruned relative to that folder, so a
+checkpoints/ swapped for a link to another run's after that is never written through. Lines name folders by their
+own paths (safefs.shown).
 """
 
 from __future__ import annotations
@@ -18,14 +23,32 @@ from typing import Any
 from .. import safefs
 from ..errors import UsageError, say
 from ..safefs import MARK, drop_half_marked, shown
-from .resume import FOLDER, OWNER, newest, owner, read_owner, run_of, same, whole
+from .resume import FOLDER, OWNER, listed, newest, read_owner, run_of, same
+
+Check = Callable[[int, str, Path], None]  # check(fd, what, path): whose a folder held open may be (trust.py)
 
 
 def new_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def claim(out: str | Path, resumed: Path | None) -> str:
+def hold(out: str | Path, check: Check | None = None, make: bool = True) -> safefs.Folder | None:
+    """--out/checkpoints held open: opened in --out held open, never through a link (a link, a file or anything
+    else under that name is one line), made first where missing (`make`; else None then), and its owner checked
+    by `check` before anything in it is read or written."""
+    what = f"--out {shown(out)}: {FOLDER}"
+    with safefs.Folder.open(Path(out), f"--out {shown(out)}") as parent:
+        folder = parent.child(FOLDER, what, make)
+    if folder is not None and check is not None:
+        try:
+            check(folder.fd, what, folder.shown)
+        except BaseException:
+            folder.close()
+            raise
+    return folder
+
+
+def claim(out: str | Path, resumed: Path | None, check: Check | None = None) -> str:
     """Rank 0, before a run's processes start: the id of this run. Going on from what --resume auto would (the
     owner's newest) keeps the owner's; any other start is a new run, which claims the folder and moves the
     earlier runs' checkpoints into checkpoints/run-<id>/ (the one resumed from stays where it is read).
@@ -33,33 +56,34 @@ def claim(out: str | Path, resumed: Path | None) -> str:
     The claim comes first, in one rename of run.json, and the moves after it: a kill at any instant leaves
     --resume auto either the earlier run (before the rename) or the new one (after it: it goes on from where
     the new run started, never from an earlier run's checkpoint); the next start moves what is left."""
-    try:
-        return claimed(out, resumed)
-    except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
-        raise UsageError(f"--out {shown(out)}: cannot write into {FOLDER}/ ({e.strerror or e}); make it writable or "
-                         f"choose another --out") from None
+    folder = hold(out, check, make=resumed is not None)
+    if folder is None:  # nothing to claim yet: the first checkpoint claims it
+        return new_id()
+    with folder:
+        try:
+            return claimed(folder, resumed)
+        except OSError as e:  # a read-only or immutable checkpoints folder, a full disk
+            raise UsageError(f"--out {shown(out)}: cannot write into {FOLDER}/ ({e.strerror or e}); make it "
+                             f"writable or choose another --out") from None
 
 
-def claimed(out: str | Path, resumed: Path | None) -> str:
-    own, wrong = read_owner(out)
-    folder = Path(out) / FOLDER
+def claimed(checkpoints: safefs.Folder, resumed: Path | None) -> str:
+    folder = checkpoints.via
+    own, wrong = read_owner(folder)
     if wrong:
         say(f"{shown(folder / OWNER)} {wrong}: ignored (it names no run that owns the checkpoints there); this run "
             f"claims them anew")
     keep = [resumed.parent] if resumed is not None else []
-    if own is not None and resumed is not None and same(resumed, newest(out, outside=False)):
+    if own is not None and resumed is not None and same(resumed, newest(folder, outside=False)):
         run = own["run"]
         keep += [Path(own["from"]).parent] if isinstance(own.get("from"), str) else []
     else:
         run = new_id()
-        if resumed is None and safefs.kind(folder) is None:  # nothing to claim yet: the first checkpoint claims it
-            return run
-        places(out, run, keep)  # every folder a move needs, checked before anything changes
-        safefs.make_folder(folder, f"--out {shown(out)}: {FOLDER}")
+        places(folder, run, keep)  # every folder a move needs, checked before anything changes
         record = {"run": run, "from": os.path.abspath(shown(resumed)) if resumed is not None else None}
-        safefs.write_file(folder / OWNER, (json.dumps(record) + "\n").encode())
+        checkpoints.write(OWNER, lambda f: f.write((json.dumps(record) + "\n").encode()))
     moved: dict[Path, list[str]] = {}
-    for old, place in places(out, run, keep).items():
+    for old, place in places(folder, run, keep).items():
         moved.setdefault(aside(old, run, place), []).append(old.name)
     for place, names in moved.items():
         say(f"{len(names)} checkpoint(s) of an earlier run ({', '.join(names)}) moved to {shown(place)}: nothing "
@@ -67,10 +91,11 @@ def claimed(out: str | Path, resumed: Path | None) -> str:
     return run
 
 
-def places(out: str | Path, run: str, keep: list[Path]) -> dict[Path, Path]:
-    """{checkpoint: the folder it goes into} for every whole checkpoint in --out that is not `run`'s nor in
-    `keep`; each folder is made (a real one: a link or a file under that name is refused in one line)."""
-    return {old: folder_aside(old, run) for old in whole(out)
+def places(folder: Path, run: str, keep: list[Path]) -> dict[Path, Path]:
+    """{checkpoint: the folder it goes into} for every whole checkpoint in a folder of checkpoints that is not
+    `run`'s nor in `keep`; each folder is made (a real one: a link or a file under that name is refused in one
+    line)."""
+    return {old: folder_aside(old, run) for old in listed(folder)
             if run_of(old) != run and not any(same(old, k) for k in keep)}
 
 
@@ -92,49 +117,98 @@ def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
     return place
 
 
-def write(mc: Any, out: str | Path, steps: int, state: dict, keep: int,
-          check: Callable[[int, str, Path], None]) -> None:
-    """Every rank: its part of checkpoint step-<steps> (rank 0 the file, every rank its shards under fsdp); then
-    rank 0 makes it whole and drops this run's oldest beyond `keep` (0: none dropped). Rank 0 makes step-N.part
-    and writes into it through a descriptor held from then on: a folder renamed and replaced meanwhile (by a user
-    who can write into checkpoints/) is never written through, and is not renamed into place. `check(fd, what,
-    folder)`: whose the checkpoints folder held open may be (the trainer's trust.py), before anything is written."""
-    folder = Path(out) / FOLDER
-    final = folder / f"step-{steps:08d}"
-    part = final.with_name(final.name + ".part")
-    held = checkpoints = None
-    if mc.is_main:
-        safefs.make_folder(folder, f"--out {shown(out)}: {FOLDER}")  # first: claim() records the run there
-        run = (owner(out) or {}).get("run") or claim(out, None)
-        checkpoints = safefs.Folder.open(folder, f"--out {shown(out)}: {FOLDER}")
-        check(checkpoints.fd, f"--out {shown(out)}: {FOLDER}", folder)
-        held = fresh(checkpoints, part, run)
-        state = {**state, "run": run}
-    mc.barrier()  # under fsdp the other ranks write into the folder rank 0 made (its shards folder, checked)
-    try:
-        mc.save(held.via / "state.pt" if held else part / "state.pt", state)
-        mc.barrier()  # every rank's part is on disk
-        if mc.is_main:
-            whole_now(checkpoints, held, part, final, run)
-            for old in whole(out, run)[:-keep] if keep else []:
-                drop(old)
-    finally:
-        for opened in (held, checkpoints):
-            if opened is not None:
-                opened.close()
+class Checkpointer:
+    """The trainer's checkpoints of one run, every rank: written through --out/checkpoints held open. Rank 0 opens
+    it at the first save (hold: never through a link, its owner checked), learns the run that owns it (or claims
+    it), and holds it until close(). Under fsdp every rank writes its shards: the others hold the folder too, found
+    by --out's path only where it is the very folder rank 0 holds (its inode), and each save's folder likewise.
+    Outside fsdp the other ranks hand rank 0 their random streams and write nothing."""
+
+    def __init__(self, mc: Any, out: str | Path, check: Check):
+        self.mc, self.out, self.check = mc, Path(out), check
+        self.folder: safefs.Folder | None = None  # checkpoints/, held from the first save on
+        self.run = ""  # the id of the run the checkpoints belong to (rank 0)
+
+    def save(self, steps: int, state: dict, keep: int) -> None:
+        """Every rank: its part of checkpoint step-<steps> (rank 0 the file, every rank its shards under fsdp);
+        then rank 0 makes it whole and drops this run's oldest beyond `keep` (0: none dropped). Rank 0 makes
+        step-N.part and writes into it through a descriptor held from then on: a folder renamed and replaced
+        meanwhile is never written through, and is not renamed into place."""
+        mc, name = self.mc, f"step-{steps:08d}"
+        held = failed = None
+        try:
+            if mc.is_main:
+                try:
+                    self.open()
+                    held = fresh(self.folder, self.folder.via / f"{name}.part", self.run)
+                except UsageError as e:
+                    if not mc.sharded:
+                        raise
+                    failed = str(e)  # under fsdp every rank says it
+                state = {**state, "run": self.run}
+            part = self.shared(held, name, failed)
+            mc.barrier()  # under fsdp the other ranks write into the folder rank 0 made (its shards folder, checked)
+            mc.save(part / "state.pt", state)
+            mc.barrier()  # every rank's part is on disk
+            if mc.is_main:
+                whole_now(self.folder, held, name, self.run)
+                for old in listed(self.folder.via, self.run)[:-keep] if keep else []:
+                    drop(self.folder, old.name)
+        finally:
+            if held is not None:
+                held.close()
+
+    def open(self) -> None:
+        """Rank 0, at the first save: checkpoints/ held, and the run that owns it (this one claims it if none
+        does)."""
+        if self.folder is None:
+            self.folder = hold(self.out, self.check)
+            own = read_owner(self.folder.via)[0]
+            self.run = own["run"] if own is not None else claimed(self.folder, None)
+
+    def shared(self, held: safefs.Folder | None, name: str, failed: str | None) -> Path:
+        """The folder this rank names the save by: rank 0 the step-N.part it made and holds; under fsdp, every
+        other rank that very folder, in checkpoints/ held (what differs, or rank 0's `failed`, is one line on
+        every rank); outside fsdp, its name under --out (the other ranks hand over their streams by it, and write
+        nothing)."""
+        mc = self.mc
+        if not mc.sharded:
+            return held.via if held is not None else self.out / FOLDER / f"{name}.part"
+        said = mc.broadcast(failed or ((self.folder.made.ino, held.made.ino) if held is not None else None))
+        if isinstance(said, str):
+            raise UsageError(said)
+        if not mc.is_main:
+            try:
+                if self.folder is None:
+                    self.folder = safefs.Folder.open(self.out / FOLDER, f"--out {shown(self.out)}: {FOLDER}")
+                    if self.folder.made.ino != said[0]:
+                        raise UsageError(safefs.replaced(f"--out {shown(self.out)}: {FOLDER}"))
+                self.folder.take(f"{name}.part", shown(self.folder.via / f"{name}.part"), said[1]).close()
+            except UsageError as e:
+                failed = str(e)
+        refused = [f for f in mc.gather(failed) if f]  # every rank writes, or none does
+        if refused:
+            raise UsageError(refused[0])
+        return held.via if held is not None else self.folder.via / f"{name}.part"
+
+    def close(self) -> None:
+        if self.folder is not None:
+            self.folder.close()
+            self.folder = None
 
 
-def whole_now(checkpoints: safefs.Folder, held: safefs.Folder, part: Path, final: Path, run: str) -> None:
+def whole_now(checkpoints: safefs.Folder, held: safefs.Folder, name: str, run: str) -> None:
     """Rank 0: step-N.part, still the folder written into, renamed to step-N."""
-    if not checkpoints.holds(part.name, held):
-        raise UsageError(f"{shown(part)}: was replaced while the checkpoint was written into it (by a user who can "
-                         f"write into {shown(part.parent)}?); the checkpoint is not in place: run again with --resume "
-                         f"auto")
+    part, final = f"{name}.part", checkpoints.via / name
+    if not checkpoints.holds(part, held):
+        raise UsageError(f"{shown(checkpoints.via / part)}: was replaced while the checkpoint was written into it (by "
+                         f"a user who can write into {checkpoints.shown}?); the checkpoint is not in place: run again "
+                         f"with --resume auto")
     if safefs.kind(final) == "folder" and run_of(final) == run:  # an earlier attempt of this run went past
-        drop(final)
+        drop(checkpoints, name)
     elif safefs.kind(final) is not None:  # another run's (the one this run resumed from): kept, out of the way
         aside(final, run)
-    os.replace(part.name, final.name, src_dir_fd=checkpoints.fd, dst_dir_fd=checkpoints.fd)
+    os.replace(part, name, src_dir_fd=checkpoints.fd, dst_dir_fd=checkpoints.fd)
 
 
 def fresh(checkpoints: safefs.Folder, part: Path, run: str) -> safefs.Folder:
@@ -158,12 +232,13 @@ def fresh(checkpoints: safefs.Folder, part: Path, run: str) -> safefs.Folder:
     return held
 
 
-def drop(checkpoint: Path) -> None:
-    """Out of the list of whole checkpoints at once (one rename), then deleted: a kill half-way through the
-    deletion leaves no checkpoint that looks whole and is not. Never through a link."""
-    if checkpoint.is_symlink() or checkpoint.parent.is_symlink():
-        raise UsageError(f"{shown(checkpoint)}: reached through a link; multicard deletes only in folders of its "
-                         f"own")
-    gone = checkpoint.with_name(f"{checkpoint.name}.{secrets.token_hex(4)}.dropped.part")  # never one planted
-    os.replace(checkpoint, gone)
-    shutil.rmtree(gone, ignore_errors=True)
+def drop(checkpoints: safefs.Folder, name: str) -> None:
+    """Checkpoint `name` of the folder held: out of the list of whole checkpoints at once (one rename in that
+    folder), then deleted: a kill half-way through the deletion leaves no checkpoint that looks whole and is not.
+    Never through a link."""
+    if safefs.kind_in(checkpoints.fd, name) != "folder":
+        raise UsageError(f"{shown(checkpoints.via / name)}: not a folder multicard made; multicard deletes only "
+                         f"folders of its own")
+    gone = f"{name}.{secrets.token_hex(4)}.dropped.part"  # never one planted
+    os.replace(name, gone, src_dir_fd=checkpoints.fd, dst_dir_fd=checkpoints.fd)
+    shutil.rmtree(checkpoints.via / gone, ignore_errors=True)

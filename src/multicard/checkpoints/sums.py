@@ -11,6 +11,7 @@ none: each rank sums the files it wrote, and the checkpoint file rank 0 writes k
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import zipfile
@@ -26,6 +27,8 @@ from ..errors import UsageError
 
 ZIP = b"PK\x03\x04"  # how a zip archive (torch.save's format since torch 1.6) begins
 CHUNK = 1 << 22
+HOLES = 64 << 20  # a file with more holes than this and than data is sparse: no save writes one (a filesystem
+# that compresses stores a checkpoint's floats at nearly their size; its zero pages alone may become holes)
 DCP_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # what DCP's file writer puts in a folder
 
 
@@ -57,6 +60,8 @@ def damage(source: Path | BinaryIO) -> str | None:
         try:
             with archive:
                 entries = archive.infolist()
+                if wrong := overdrawn(f, sum(e.file_size for e in entries)):
+                    return wrong
                 if all(e.CRC == 0 for e in entries if e.file_size):  # saved with torch's CRC-32s turned off
                     return None
                 for entry in entries:
@@ -73,6 +78,30 @@ def damage(source: Path | BinaryIO) -> str | None:
             return f"its zip structure is damaged or cut short ({type(e).__name__})"
         finally:
             f.seek(0)
+    return None
+
+
+def overdrawn(f: BinaryIO, recorded: int) -> str | None:
+    """Why reading the `recorded` bytes a file's own directory records for its entries would read more than the
+    file holds (None: it would not), checked before a byte of them is read: entries that record more than the
+    file's size (cut short, or compressed: torch.save stores every entry as it is), or a file mostly holes (a
+    sparse file, which torch.save never writes: reading a stranger's 1 TB of them would take an hour)."""
+    size = f.seek(0, os.SEEK_END)
+    if recorded > size:
+        return f"its entries record {recorded:,} bytes, more than the file's {size:,} (cut short, or not torch.save's)"
+    return sparse(f)
+
+
+def sparse(f: BinaryIO | int) -> str | None:
+    """Why a file is no checkpoint torch or DCP wrote, where most of it is holes (None: it is not sparse, or the
+    system does not say: a stream in memory)."""
+    try:
+        info = os.fstat(f if isinstance(f, int) else f.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    on_disk = info.st_blocks * 512
+    if info.st_size - on_disk > max(HOLES, on_disk):
+        return f"{info.st_size:,} bytes of which {on_disk:,} are on disk: a sparse file, which no save writes"
     return None
 
 
@@ -121,6 +150,9 @@ def files_damage(where: Path, recorded: Any, rank: int = 0, world: int = 1) -> s
             fd = os.open(where / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             return f"its shard file {name} cannot be read ({e.strerror})"
+        if holes := sparse(fd):
+            os.close(fd)
+            return f"its shard file {name} is {holes}"
         if of_file(fd) != recorded[name]:
             return f"its shard file {name} fails its CRC-32"
     return None

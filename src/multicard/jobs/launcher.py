@@ -141,8 +141,9 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
             # fn and its arguments go through a file, not the pipe multiprocessing starts a process with: a rank that
             # ends before it reads them (a script without the __main__ guard) would leave this process blocked for
             # ever writing more than the pipe holds, deaf to every signal
-            with open(os.path.join(folder, spawned.WORK), "wb") as f:
-                f.write(shipping.pack((fn, args), named))  # opened in each process as spawned.body says
+            jobdir.write(os.path.join(folder, spawned.WORK), shipping.pack((fn, args), named),  # read as body says
+                         "cannot start the job: fn and its arguments",
+                         ", or pass less (large data: pass its path, and load it inside fn)")
             # every process started is known before a signal is acted on
             with signals.holding(), shipping.main_left_out():
                 _tracker()

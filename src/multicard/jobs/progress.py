@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from ..errors import UsageError, note
-from . import closed
+from . import closed, jobdir
 from .lifeline import inherited
 
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
@@ -140,10 +140,19 @@ def hook_failures() -> None:
 
 def tell_launcher(kind: str, text: str) -> None:
     """Leave in the job's folder how this rank failed ("usage", "said", "trace" or "lost"), for our launcher to
-    say."""
+    say. Where the folder takes nothing more (a disk filled by another), the rank says it on stderr itself: the
+    launcher then names the rank, and says its output is above."""
     path = os.path.join(os.path.dirname(os.environ[PROGRESS]), f"error-{os.environ.get('RANK', '0')}")
-    with open(path, "wb") as f:
-        pickle.dump((kind, text), f)
+    try:
+        with open(path, "wb") as f:
+            pickle.dump((kind, text), f)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(path)  # half a pickle would be read as nothing said
+        if kind == "trace":  # the traceback, as Python would have printed it
+            print(text, end="", file=sys.stderr, flush=True)
+        else:  # "said" and "lost" name the rank already
+            note(f"rank {os.environ.get('RANK', '0')}: {text}" if kind == "usage" else text)
 
 
 def slot_timed_out() -> None:
@@ -184,9 +193,15 @@ def _map_slot(path: str) -> memoryview | None:
 
 
 def new_slot(path: str) -> None:
-    """For the launcher: the empty progress file of one rank (the mark, then zeros: no progress yet)."""
-    with open(path, "xb") as f:
-        f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0) + READS.pack(0.0, 0.0))
+    """For the launcher: the empty progress file of one rank (the mark, then zeros: no progress yet). Written
+    whole (never a sparse file), so that no write to its mapping can meet a full disk."""
+    try:
+        with open(path, "xb") as f:
+            f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0) + READS.pack(0.0, 0.0))
+    except OSError as e:  # the job's folder goes with everything in it
+        raise UsageError(f"cannot start the job: its ranks' progress files could not be written into the job's "
+                         f"folder in {os.path.dirname(os.path.dirname(path))}: {jobdir.cause(e)}; "
+                         f"{jobdir.remedy(e)}") from None
 
 
 def read_slot(path: str) -> tuple[float, float, float]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError, note
-from . import closed, lifeline, progress, shipping, streams
+from . import closed, jobdir, lifeline, progress, shipping, streams
 from .dist import listed
 from .failures import Stopped
 
@@ -93,8 +93,9 @@ def _send(out: Any, folder: str) -> None:
         data = shipping.dumps(out)
     except Exception as e:  # pickling fails with many kinds: TypeError, PicklingError, AttributeError, ...
         raise UsageError(shipping.return_refused(out, e)) from None
-    with open(os.path.join(folder, "result"), "wb") as f:
-        f.write(data)
+    jobdir.write(os.path.join(folder, "result"), data, "the job ran, but fn's return value on rank 0 could not be "
+                 "handed back: it", ", or return less (save a large result to a file in fn, and return its path); "
+                 "what fn did (its files) is kept")
 
 
 def _unpickled(work: bytes, rank: int) -> tuple[Callable, tuple]:
@@ -123,7 +124,17 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
+def _ending() -> None:
+    """From here on this rank ends: a stop signal (the launcher stopping the job as this rank ends already, another
+    rank having failed) is noted and lets the ending go on, quietly (the launcher's SIGKILL still bounds it), where
+    a Stopped raised in its exit handlers would print a traceback."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is _raise_stopped:
+            signal.signal(s, lambda signum, frame: _signalled.append(signum))
+
+
 def _fail(kind: str, text: str) -> None:
+    _ending()
     progress.tell_launcher(kind, text)
     _end(1)  # threads fn left running are not waited for: the launcher learns of the failure once this rank ended
 
@@ -134,6 +145,7 @@ def _end(code: int) -> None:
     torch's C++ code then (a gloo worker dropping a finished collective's tensors, a daemon thread mid-op) takes
     the GIL as it goes, and the process aborts (SIGABRT, "terminate called without an active exception") after
     fn had succeeded."""
+    _ending()
     from multiprocessing import util
 
     util._exit_function()  # multiprocessing's finalizers (a Queue's last items sent), its children ended
@@ -180,5 +192,9 @@ def _end_after_threads(rank: int) -> None:
     watch = threading.Timer(timeout, end)
     watch.daemon, watch.name = True, "multicard thread watch"
     watch.start()
-    threading._shutdown()  # as Python's exit: threading's exit handlers (an idle executor's workers end), then a join
-    _end(0)
+    try:
+        threading._shutdown()  # as Python's exit: threading's exit handlers (an idle executor's workers end), a join
+        _end(0)
+    except (KeyboardInterrupt, Stopped):  # stopped while it waited for them: it ends without them, and says so
+        _fail("said", f"rank {rank} was stopped by {signal.Signals(_signalled[0]).name} after fn returned, while "
+                      f"it waited for the threads fn left running")

@@ -163,15 +163,29 @@ class TrainConfig:
     out: str = opt("runs/train", "folder for metrics.jsonl, summary.json, curves.png and model.pt")
     # like git's safe.directory: --out, its checkpoints and the folders above --out must otherwise be yours (or
     # root's) and not writable by others, or someone could swap them for a link (trainer/trust.py)
-    trust_dir: str = opt("", "a folder to write in although another user owns it or may write into it (a "
-                         "shared project folder, a container's bind mount): it, the folders in it and above it; "
-                         "several separated by ':'; also MULTICARD_TRUST_DIR")
+    # one path as given, ":" included; held as a list of str, as summary.json holds it; the library takes a str, a
+    # path or a list of them (__post_init__); never taken from a checkpoint (recipe.inherit)
+    trust_dir: list[str] = opt((), "a folder to write in although another user owns it or may write into it "
+                                     "(a shared project folder, a container's bind mount): it, the folders in it and "
+                                     "above it; several: the flag again; also MULTICARD_TRUST_DIR (several "
+                                     "separated by ':')", many=True)
     # rank 0 writes event files into the run's folder: --out/tensorboard once the run has ended well
     tensorboard: bool = opt(False, "write TensorBoard event files into --out/tensorboard (per-step loss and lr, "
                             "per-epoch metrics; pip install 'multicard[tensorboard]')")
     # a log file or CI gets no progress bar: a plain line now and then shows the run is alive
     progress_every: float = opt(30.0, "seconds between plain progress lines when stderr is not a terminal "
                                 "(0: none)")
+
+    def __post_init__(self) -> None:
+        # trust_dir: one folder (a str or a path, ":" and all) or several (a list or tuple); "" names none
+        given = self.trust_dir
+        try:
+            many = [given] if isinstance(given, (str, os.PathLike)) else list(given or ())
+            self.trust_dir = [name for name in map(os.fspath, many) if name]
+            if not all(isinstance(name, str) for name in self.trust_dir):
+                raise TypeError
+        except TypeError:
+            raise UsageError(f"trust_dir={given!r}: name a folder (a str or a path), or a list of them") from None
 
     def settled(self, processes: int = 1) -> TrainConfig:
         """This config with its auto values made concrete for a job of `processes` (the rule of

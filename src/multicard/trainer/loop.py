@@ -94,11 +94,14 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     nothing = contextlib.nullcontext()
     trusted = trust.trusted(config.trust_dir)
 
+    # checkpoints/ held from the first save to the end of the loop (an error leaves it to the folder's own close)
+    checkpointer = saves.Checkpointer(mc, out or config.out,
+                                      lambda fd, what, folder: trust.check_folder(fd, what, folder, trusted))
+
     def save(partial: dict | None) -> None:
         progress = {"history": history, "first_loss": first_loss, "steps": steps, "partial": partial,
                     "config": asdict(config)}
-        saves.write(mc, out or config.out, steps, {**objects, **progress}, config.keep_checkpoints,
-                    lambda fd, what, folder: trust.check_folder(fd, what, folder, trusted))
+        checkpointer.save(steps, {**objects, **progress}, config.keep_checkpoints)
         saved[0] = steps
 
     for epoch in range(train_loader.epoch, config.epochs):
@@ -176,6 +179,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             on_epoch(history)
         if config.save_every and (epoch + 1) % config.save_every == 0 and saved[0] != steps:
             save(None)  # (a checkpoint after the epoch's last step resumes to this same point)
+    checkpointer.close()
     bar.close()
     return history
 

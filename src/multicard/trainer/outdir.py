@@ -9,10 +9,12 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
 from .. import safefs
+from ..checkpoints.saves import hold
 from ..errors import UsageError, say
 from ..safefs import MARK, drop_half_marked, marked
 from . import trust
@@ -21,6 +23,11 @@ FILES = ("model.pt", "metrics.jsonl", "summary.json", "curves.png")  # what --ou
 OPTIONAL = ("tensorboard",)  # shown too where that run wrote it (--tensorboard)
 CURRENT = ".current"  # the one name switched when a run ends well: a link to that run's folder
 LINK_PART = re.compile(rf"({'|'.join(map(re.escape, (*FILES, *OPTIONAL, CURRENT)))})\.(\d+|[0-9a-f]{{12}})\.part")
+# filesystems of the kernel's, no place for a run's files (a tmpfs, /dev/shm's, is one: it is allowed)
+PSEUDO = frozenset(("proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+                    "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "binfmt_misc", "efivarfs",
+                    "selinuxfs", "rpc_pipefs", "nsfs", "devfs"))
+MOUNTINFO = Path("/proc/self/mountinfo")  # Linux: each mount's device (major:minor), mount point and type
 
 
 class Output:
@@ -33,13 +40,13 @@ class Output:
     that carry multicard's marker; a name there that multicard did not make refuses the run before anything in
     --out is touched. `trusted`: --trust-dir's folders (trust.py)."""
 
-    def __init__(self, out: str, trusted: str = ""):
+    def __init__(self, out: str, trusted: list[str] | tuple[str, ...] = ()):
         self.path = path = Path(out)
         self.cleaned = False
+        if why := no_place(path):
+            raise UsageError(f"--out {out}: {why}, no place for files; name a folder")
         if path.exists() and not path.is_dir():
             raise UsageError(f"--out {out}: is a file; name a folder (it is created if missing)")
-        if path.resolve().parts[:2] in (("/", "proc"), ("/", "sys"), ("/", "dev")):
-            raise UsageError(f"--out {out}: is inside {path.resolve().parts[1]}/, no place for files; name a folder")
         self.trusted = trust.trusted(trusted)
         trust.check_above(path, self.trusted)
         try:
@@ -101,15 +108,22 @@ class Output:
                 part.unlink()
             else:
                 say(f"left alone: {safefs.shown(part)} (not a leftover multicard can prove it made)")
-        checkpoints = self.root / "checkpoints"
-        for part in checkpoints.glob("*.part") if checkpoints.is_dir() and not checkpoints.is_symlink() else ():
+        held = hold(self.root, self.check_checkpoints, make=False)  # never through a link: a folder held
+        for part in held.via.glob("*.part") if held is not None else ():
             if marked(part):
                 remove(part)
             elif safefs.is_temporary(part.name, "run.json") and safefs.kind(part) == "file":  # half-written
                 part.unlink()
             elif not drop_half_marked(part):
                 say(f"left alone: {safefs.shown(part)} (not a leftover multicard can prove it made)")
+        if held is not None:
+            held.close()
         self.cleaned = True
+
+    def check_checkpoints(self, fd: int, what: str, path: Path) -> None:
+        """Whose --out/checkpoints, held open as `fd`, may be: yours or root's, not writable by others, unless
+        trusted (saves.hold's check)."""
+        trust.check_folder(fd, what, path, self.trusted)
 
     def new_run(self) -> safefs.Made:
         """A fresh folder for an attempt's files, made through --out held open and marked; the first one clears
@@ -202,3 +216,44 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def no_place(out: Path) -> str | None:
+    """Why --out can hold no files, or None: a device on its way (/dev/null), or the nearest folder there on a
+    filesystem of the kernel's (PSEUDO: /proc, /sys, /dev, ...; a tmpfs such as /dev/shm is a place for files).
+    Without /proc/self/mountinfo (not Linux), by where it is: /proc, /sys and /dev but /dev/shm."""
+    real = out.resolve()
+    there = next(p for p in (real, *real.parents) if p.exists())
+    info = os.stat(there)
+    if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+        return "is a device" if there == real else f"{there} is a device"
+    if not stat.S_ISDIR(info.st_mode):
+        return None  # a file: said elsewhere
+    found = filesystem(there, info.st_dev)
+    if found is None:
+        top = real.parts[1] if len(real.parts) > 1 and real.parts[1:3] != ("dev", "shm") else ""
+        found = ({"proc": "proc", "sys": "sysfs", "dev": "devfs"}.get(top, ""), f"/{top}")
+    kind, mount = found
+    return f"is inside {mount} ({kind}, a filesystem of the kernel's)" if kind in PSEUDO else None
+
+
+def filesystem(folder: Path, device: int) -> tuple[str, str] | None:
+    """The type and mount point of the filesystem holding `folder` (its st_dev `device`), as /proc/self/mountinfo
+    says: of the mounts of that device, the innermost holding `folder`; ("", "") where none is that device; None
+    without mountinfo."""
+    try:
+        lines = MOUNTINFO.read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        mount, _, rest = line.partition(" - ")
+        fields, kind = mount.split(), rest.split()[:1]
+        if len(fields) < 5 or not kind or ":" not in fields[2]:
+            continue
+        major, minor = fields[2].split(":", 1)
+        if major.isdigit() and minor.isdigit() and os.makedev(int(major), int(minor)) == device:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # " " is written \040
+            found.append((kind[0], point))
+    holding = [f for f in found if folder == Path(f[1]) or Path(f[1]) in folder.parents]
+    return max(holding or found, key=lambda f: len(f[1]), default=("", ""))

@@ -109,7 +109,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
         run = output.new_run() if output is not None else None
         try:
             if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
-                claim(output.root, start.checkpoint)
+                claim(output.root, start.checkpoint, output.check_checkpoints)
             summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
         except RankFailed as e:
             output.discard(run)

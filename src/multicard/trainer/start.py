@@ -9,6 +9,7 @@ folders.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,11 @@ from torch import nn
 
 from .. import safefs
 from ..checkpoints import plain
-from ..checkpoints.resume import FOLDER, head, resolve
+from ..checkpoints.resume import FOLDER, head, newest, resolve
 from ..checkpoints.save_load import OWN
+from ..checkpoints.saves import hold
 from ..errors import UsageError
+from . import trust
 from .config import TrainConfig
 from .recipe import describe, inherit
 
@@ -39,6 +42,8 @@ def decide(config: TrainConfig, given: set[str] | None = None, world: int | None
     against the strategy and `model`; without, the recipe alone (what the CLI needs to build the model and
     data)."""
     skipped: list[str] = []  # newer checkpoints --resume auto passed over, damaged
+    if config.resume:  # whose --out it is, before anything in it is read
+        trust.check_before_reading(config.out, trust.trusted(config.trust_dir))
     checkpoint = resolve(config.resume, config.out, skipped=skipped)
     if checkpoint is not None:
         config = inherit(checkpoint, config, given)
@@ -54,8 +59,9 @@ def restart(start: Start, out: str | Path | None = None) -> Start:
     where it started (known here, not read back from run.json). `out`: --out as the launcher holds it open (its
     checkpoints are looked for there; the one found is named by its own path, for the ranks)."""
     skipped: list[str] = []
-    found = resolve("auto", out or start.config.out, outside=False, skipped=skipped)
-    found = Path(safefs.shown(found)) if found is not None else None
+    with hold(out or start.config.out, make=False) or contextlib.nullcontext() as held:  # never through a link
+        found = newest(held.via, outside=False, skipped=skipped) if held is not None else None
+        found = Path(safefs.shown(found)) if found is not None else None
     return begun(start.config, found or start.checkpoint, True, skipped)
 
 

@@ -2,25 +2,30 @@
 root's and not writable by group or others unless sticky (as /tmp), as ssh's StrictModes checks a home: else
 another user could rename --out (or a folder above it) away and put a link in its place. A folder you trust
 (--trust-dir PATH, or MULTICARD_TRUST_DIR=PATH, like git's safe.directory) is not checked, nor are the folders in
-it and above it. Either way the run writes only through --out held open (outdir.py), never again by its path.
+it and above it. --trust-dir takes one path as given, ":" included (several: the flag again); the variable
+separates several by ":" as PATH does. Either way the run writes only through --out held open (outdir.py), never
+again by its path.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import safefs
 from ..errors import UsageError
 
-VAR = "MULTICARD_TRUST_DIR"  # folders trusted, separated by os.pathsep (":"), as --trust-dir takes them
+VAR = "MULTICARD_TRUST_DIR"  # folders trusted, separated by os.pathsep (":"), as PATH separates its folders
 
 
-def trusted(given: str = "") -> list[str]:
-    """The folders trusted: those --trust-dir names and those MULTICARD_TRUST_DIR names, each as given (made
-    absolute) and as the real path it leads to."""
-    names = [os.path.expanduser(name) for name in f"{given}{os.pathsep}{os.environ.get(VAR, '')}".split(os.pathsep)
-             if name.strip()]
+def trusted(given: str | os.PathLike | Sequence[str | os.PathLike] = ()) -> list[str]:
+    """The folders trusted: those --trust-dir names (one path, or several; each whole, ":" included) and those
+    MULTICARD_TRUST_DIR names (separated by ":"), each as given (made absolute) and as the real path it leads to."""
+    one = isinstance(given, (str, os.PathLike))
+    names = [os.path.expanduser(name) for name in (*map(os.fspath, [given] if one else given),
+                                                   *os.environ.get(VAR, "").split(os.pathsep)) if name.strip()]
     return [path for name in names for path in (os.path.abspath(name), os.path.realpath(name))]
 
 
@@ -32,8 +37,8 @@ def covers(path: str | Path, folders: list[str]) -> bool:
 
 
 def way_out(path: str | Path) -> str:
-    """What a refusal adds: how to trust the folder it names."""
-    return f", or trust it: --trust-dir {path} (or {VAR}={path})"
+    """What a refusal adds: how to trust the folder it names (the variable would split a path holding ":")."""
+    return f", or trust it: --trust-dir {path}" + (f" (or {VAR}={path})" if os.pathsep not in str(path) else "")
 
 
 def above(out: Path) -> list[Path]:
@@ -49,7 +54,7 @@ def check_above(out: Path, folders: list[str]) -> None:
     /vol, where /vol is another user's)."""
     for folder in above(out):
         if os.path.isdir(folder) and not covers(folder, folders):
-            safefs.guard(os.lstat(folder), f"--out {out}: {folder}", folder, way_out(folder))
+            guard(os.lstat(folder), f"--out {out}: {folder}", folder, way_out(folder))
 
 
 def check_out(fd: int, out: Path, folders: list[str]) -> None:
@@ -64,12 +69,37 @@ def check_out(fd: int, out: Path, folders: list[str]) -> None:
         raise UsageError(f"--out {out}: was moved while multicard opened it (by a user who can write into a folder "
                          f"above it?); nothing was written there")
     if not covers(real, folders):
-        safefs.guard(held, f"--out {out}", out, way_out(real))
+        guard(held, f"--out {out}", out, way_out(real))
     check_above(out, folders)
+
+
+def check_before_reading(out: str | Path, folders: list[str]) -> None:
+    """What check_out and check_folder say of --out and its checkpoints folder, said by their paths before
+    anything in --out is read (--resume): a checkpoint planted in a stranger's --out is never opened."""
+    out = Path(out)
+    check_above(out, folders)
+    if os.path.isdir(out) and not covers(os.path.realpath(out), folders):
+        guard(os.stat(out), f"--out {out}", out, way_out(os.path.realpath(out)))
+    checkpoints = out / "checkpoints"
+    if safefs.is_folder(checkpoints) and not covers(os.path.realpath(checkpoints), folders):
+        guard(os.lstat(checkpoints), f"--out {out}: checkpoints", checkpoints, way_out(checkpoints))
 
 
 def check_folder(fd: int, what: str, path: Path, folders: list[str]) -> None:
     """A folder multicard writes in below --out (its checkpoints), held open as `fd`: yours or root's, not
     writable by others, unless trusted."""
     if not covers(os.path.realpath(safefs.shown(path)), folders):
-        safefs.guard(os.fstat(fd), what, Path(safefs.shown(path)), way_out(safefs.shown(path)))
+        guard(os.fstat(fd), what, Path(safefs.shown(path)), way_out(safefs.shown(path)))
+
+
+def guard(info: os.stat_result, what: str, path: Path, then: str = "") -> None:
+    """Refuse a folder in which another user could swap what multicard makes for a link elsewhere: one owned by
+    another user (root aside), or writable by group or others without the sticky bit (ssh's rule for a home).
+    `then`: what the line adds as the last way out."""
+    if info.st_uid not in (os.geteuid(), 0):
+        raise UsageError(f"{what}: belongs to another user (uid {info.st_uid}), who could swap what multicard makes "
+                         f"there for a link elsewhere; use a folder of your own (or chown it to you){then}")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise UsageError(f"{what}: other users can write into it ({stat.filemode(info.st_mode)}) and could swap "
+                         f"what multicard makes there for a link elsewhere; run `chmod go-w {path}` or choose "
+                         f"another folder{then}")
