@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import multicard
 from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
 from multicard.jobs import dist, launcher, outcome, progress
@@ -468,3 +469,225 @@ def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
     assert code == 128 + getattr(signal, name)
     assert err.strip().splitlines() == [f"multicard: stopped by {name}; every rank was stopped"]
     assert gone(run.job, 5)
+
+
+# -- issue 48: a rank lives as your script would -------------------------------------------------------------------
+FORKS = """
+import multiprocessing, os, sys, threading, time
+import torch
+from torch.utils.data import DataLoader
+import multicard
+
+
+def work(path):
+    time.sleep(1)
+    with open(path, "w") as f:
+        f.write("done")
+
+
+def from_a_thread(path, started):  # the thread ends as soon as its process is started
+    started.append(multiprocessing.get_context("fork").Process(target=work, args=(path,)))
+    started[-1].start()
+
+
+def daemon(path):  # a double fork: the middle process ends at once
+    if os.fork() == 0:
+        if os.fork() == 0:
+            work(path)
+            os._exit(0)
+        os._exit(0)
+
+
+def job(mc, where):
+    rank = mc.rank if mc is not None else 0
+    started = []
+    helper = threading.Thread(target=from_a_thread, args=(f"{where}/thread-{rank}", started))
+    helper.start()
+    helper.join()
+    daemon(f"{where}/daemon-{rank}")
+    loader = DataLoader(torch.arange(16.0), batch_size=4, num_workers=1, persistent_workers=True)
+    if mc is not None:
+        loader = mc.setup_dataloader(loader, train=False)
+    served = []
+    helper = threading.Thread(target=lambda: served.extend(loader))  # its workers start in a thread that ends
+    helper.start()
+    helper.join()
+    time.sleep(0.5)
+    served.extend(loader)  # a second pass: the persistent workers still serve
+    started[0].join()
+    with open(f"{where}/served-{rank}", "w") as f:
+        f.write(str(len(served)))
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "plain":
+        job(None, sys.argv[1])
+    else:
+        multicard.launch(job, sys.argv[1], strategy="ddp", devices="cpu:2")
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "launch"])
+def test_what_a_rank_forks_lives_until_it_finishes_as_under_plain_python(tmp_path, how):
+    """A process forked from a helper thread that then ends, a double-forked daemon, and persistent DataLoader
+    workers first iterated in a helper thread: plain python lets each finish, and so does every rank (nothing of
+    the job ties them to the thread that forked them)."""
+    (tmp_path / "forks.py").write_text(FORKS)
+    (tmp_path / "out").mkdir()
+    done = subprocess.run([sys.executable, "forks.py", str(tmp_path / "out"), how], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=HUNG_S, env=clean_env())
+    assert done.returncode == 0, done.stderr
+    ranks = (0,) if how == "plain" else (0, 1)
+    expected = {f"{kind}-{r}" for r in ranks for kind in ("thread", "daemon", "served")}
+    assert settles(lambda: {p.name for p in (tmp_path / "out").iterdir()} == expected)  # the daemons end after
+    assert all((tmp_path / "out" / f"thread-{r}").read_text() == "done" for r in ranks)
+
+
+KIDS = """
+import os, signal, subprocess, sys, time
+import multicard
+
+mc = multicard.Multicard()
+mc.barrier()  # it has joined the job: it watches its launcher
+child = subprocess.Popen(["sleep", "600"])  # a rank's own child, in its process group
+if os.fork() == 0:  # a worker of its own, forked
+    time.sleep(600)
+    os._exit(0)
+sys.stdout.write(f"up {mc.rank}\\n")
+sys.stdout.flush()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def ctrl_z_then(signum: int):
+    def stop(launcher: int) -> None:
+        os.killpg(launcher, signal.SIGTSTP)  # the terminal's Ctrl-Z: the launcher pauses the ranks, then itself
+        assert settles(lambda: stat(launcher)[0] == "T")
+        os.killpg(launcher, signum)  # `kill %1` (SIGTERM) or the shell's exit (SIGHUP), each with a SIGCONT
+        os.killpg(launcher, signal.SIGCONT)
+    return stop
+
+
+STOPS = {
+    "SIGTERM": lambda launcher: os.kill(launcher, signal.SIGTERM),
+    "SIGHUP": lambda launcher: os.killpg(launcher, signal.SIGHUP),  # a closed terminal
+    "SIGINT": lambda launcher: os.killpg(launcher, signal.SIGINT),  # Ctrl-C
+    "ctrl-z-then-kill": ctrl_z_then(signal.SIGTERM),
+    "ctrl-z-then-exit": ctrl_z_then(signal.SIGHUP),
+    "launcher-group-sigkill": lambda launcher: os.killpg(launcher, signal.SIGKILL),  # kill -9 -- -PGID
+}
+
+
+@pytest.mark.parametrize("stop", [*STOPS][:2] + [pytest.param(s, marks=pytest.mark.slow) for s in [*STOPS][2:-1]]
+                         + [[*STOPS][-1]])
+def test_every_stop_leaves_no_process_of_the_job_behind(tmp_path, stop):
+    """Each rank of `multicard run` starts a process of its own and forks a worker (both stay in the process group
+    the rank leads, as torchrun's ranks do); however the job is stopped, none of them is left, running or
+    stopped."""
+    from test_hostile7 import left
+
+    (tmp_path / "kids.py").write_text(KIDS)
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "kids.py"], cwd=tmp_path,
+                           env=clean_env(TMPDIR=str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, preexec_fn=lambda: dispositions(False))
+    try:
+        assert sorted(job.stdout.readline().split()[1] for _ in range(2)) == ["0", "1"]
+        assert settles(lambda: len(left(tmp_path)) == 1 + 2 * 3)  # the launcher; each rank, its child and its fork
+        STOPS[stop](job.pid)
+        job.wait(HUNG_S)
+        assert gone(lambda: left(tmp_path), 30), [cmdline(pid) for pid in left(tmp_path)]
+    finally:
+        for pid in [job.pid, *left(tmp_path)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+WARNED = """
+import os, signal, sys, time
+import multicard
+
+mc = multicard.Multicard()
+mc.barrier()
+warned = []
+if sys.argv[1] == "handled":  # a script that saves when the cluster warns it (SLURM's --signal=USR1@90)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: warned.append(signum))
+sys.stdout.write(f"up {mc.rank}\\n")
+sys.stdout.flush()
+while not warned:
+    time.sleep(0.05)
+with open(f"saved-{mc.rank}", "w") as f:
+    f.write("saved")
+"""
+
+
+@pytest.mark.parametrize("handled", ["handled", "unhandled"])
+def test_sigusr1_to_the_launcher_reaches_every_ranks_handler(tmp_path, handled):
+    """SIGUSR1 (SIGUSR2 alike) is passed on to every rank, whose own handler runs and the job goes on; where the
+    script sets none, the signal ends each rank as it ends a plain script, and the launcher says so in one line."""
+    (tmp_path / "warned.py").write_text(WARNED)
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "warned.py", handled],
+                           cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, preexec_fn=lambda: dispositions(False))
+    try:
+        assert sorted(job.stdout.readline().split()[1] for _ in range(2)) == ["0", "1"]
+        os.kill(job.pid, signal.SIGUSR1)
+        code, err = job.wait(HUNG_S), job.stderr.read()
+        if handled == "handled":
+            assert code == 0 and sorted(p.name for p in tmp_path.glob("saved-*")) == ["saved-0", "saved-1"], err
+        else:
+            assert code == 128 + signal.SIGUSR1 and not list(tmp_path.glob("saved-*"))
+            assert re.search(r"multicard: rank [01] ended on SIGUSR1, which this launcher passed on to every rank: the "
+                             r"script has no handler for it \(set one with signal.signal\(SIGUSR1, \.\.\.\) to act on "
+                             r"it, e\.g\. save a checkpoint\); the other ranks were stopped\n$", err), err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+SLOW_SAVE = """
+import signal, sys, time
+import multicard
+
+mc = multicard.Multicard()
+mc.barrier()
+stopping = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+sys.stdout.write(f"up {mc.rank}\\n")
+sys.stdout.flush()
+while not stopping:
+    time.sleep(0.05)
+time.sleep(6)  # a save that takes longer than the 5 s a launcher once gave
+with open(f"saved-{mc.rank}", "w") as f:
+    f.write("saved")
+sys.exit(143)
+"""
+
+
+@pytest.mark.parametrize("grace", [None, pytest.param("1", marks=pytest.mark.slow)])
+def test_a_sigterm_handler_gets_torchruns_30_s_to_save_or_the_grace_given(tmp_path, grace):
+    (tmp_path / "slow_save.py").write_text(SLOW_SAVE)
+    flags = ["--stop-grace", grace] if grace else []
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", *flags, "--devices", "cpu:2", "slow_save.py"],
+                           cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, preexec_fn=lambda: dispositions(False))
+    try:
+        assert sorted(job.stdout.readline().split()[1] for _ in range(2)) == ["0", "1"]
+        os.kill(job.pid, signal.SIGTERM)
+        assert job.wait(HUNG_S) == 128 + signal.SIGTERM
+        saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+        assert saved == ([] if grace else ["saved-0", "saved-1"])
+        assert job.stderr.read().splitlines()[-1] == "multicard: stopped by SIGTERM; every rank was stopped"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("grace", ["-1", "inf", "nan"])
+def test_a_stop_grace_that_is_no_number_of_seconds_is_one_line(grace):
+    done = run_cli("run", "--stop-grace", grace, "--devices", "cpu:2", "job.py")
+    assert done.returncode == 2 and "\n" not in done.stderr.strip()
+    assert done.stderr.strip().endswith(f"--stop-grace {float(grace):g}: give the seconds a rank gets between the "
+                                        f"stop signal and SIGKILL (0 or more)")
+    with pytest.raises(UsageError, match=rf"^stop_grace={float(grace)!r}: give the seconds"):
+        multicard.launch(print, strategy="ddp", devices="cpu:2", stop_grace=float(grace))

@@ -3,6 +3,10 @@ processes, dp and dp-balanced with CPU stand-ins; the loader contract; checkpoin
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -323,3 +327,63 @@ def test_users_loop_rehearsed_on_one_card(tmp_path):
         assert_same(many["weights"][key], value, atol=1e-4, what=key)
     assert (many["sum"], many["max"], many["gather"]) == (3.0, 1, [0, 1])
     assert_same(many["synced"][0], sum(many["local"]) / 2, atol=1e-6, what="the reduced gradient")
+
+
+# -- mc.stop_requested: a stop every rank agrees on (issue 48, item 5) -------------------------------------------------
+
+def stop_reads(mc: Multicard, at: int, signum: int) -> list:
+    """Reads of mc.stop_requested, as a loop reads it once per step, until it says True (64 at most); the last
+    rank sends `signum` to itself alone just before read `at` (0-based). Every rank's reads and mc.stop_signal, in
+    rank order."""
+    seen = []
+    while len(seen) < 64 and not (seen and seen[-1]):
+        if len(seen) == at and mc.rank == mc.world_size - 1:
+            os.kill(os.getpid(), signum)
+        seen.append(mc.stop_requested)
+    return mc.gather((seen, mc.stop_signal))
+
+
+def test_stop_requested_installs_at_the_first_read_records_and_puts_the_handlers_back():
+    def theirs(signum, frame):
+        raise AssertionError("multicard's handler must take the signal")
+
+    before = signal.signal(signal.SIGUSR1, theirs), signal.getsignal(signal.SIGTERM)
+    try:
+        mc = Multicard("single", "cpu")
+        mc.rank  # noqa: B018  (joined, set up: the handlers stay as they were until the first read)
+        assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == (theirs, before[1])
+        assert mc.stop_signal is None
+        other = Multicard("single", "cpu")  # a second object reading it learns of the same signal
+        assert not other.stop_requested
+        assert stop_reads(mc, 2, signal.SIGUSR1) == [([False, False, True], "SIGUSR1")]  # one process: at once
+        assert other.stop_requested and other.stop_signal == "SIGUSR1"
+        mc.close()  # the first closed first: the second's close puts back what was there before either
+        other.close()
+        assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == (theirs, before[1])
+    finally:
+        signal.signal(signal.SIGUSR1, before[0])
+
+
+def test_stop_requested_is_read_first_in_the_main_thread():
+    mc, errors = Multicard("single", "cpu"), []
+
+    def read():
+        try:
+            mc.stop_requested  # noqa: B018
+        except UsageError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert errors and "main thread" in errors[0]
+    mc.close()
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_read():
+    """Rank 1 alone gets SIGTERM (its own os.kill) before its third read: both ranks say True at the same read,
+    the next at which they meet (reads 1, 2, 4, 8, ... meet while a second's worth of reads is more: here the 4th),
+    and name the same signal."""
+    seen = multicard.launch(stop_reads, 2, signal.SIGTERM, strategy="ddp", devices="cpu:2")
+    assert seen[0] == seen[1] and seen[0][1] == "SIGTERM"
+    assert seen[0][0][-1] and not any(seen[0][0][:-1]) and len(seen[0][0]) >= 3

@@ -4,6 +4,7 @@ what needs a whole job runs a tiny one."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.server
 import os
@@ -117,16 +118,25 @@ class Frozen:
     kill = terminate
 
 
+class FrozenCommand(Frozen, subprocess.Popen):
+    """Frozen, as multicard run holds its ranks."""
+
+    _child_created = False  # nothing for Popen's own __del__ to reap
+
+    def __new__(cls):
+        return object.__new__(cls)
+
+    def __init__(self):
+        pass
+
+
 @pytest.mark.parametrize("stop", ["run", "spawn"])
 def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch, capsys, stop):
-    monkeypatch.setattr(outcome, "STOP_GRACE_S", 0.2)
     monkeypatch.setattr(outcome, "KILLED_S", 0.2)
-    monkeypatch.setattr(os, "kill", lambda pid, sig: None)  # the SIGCONT for a process that is not there
+    for name in ("kill", "killpg"):  # the signals for a process that is not there
+        monkeypatch.setattr(os, name, lambda pid, sig: None)
     start = time.monotonic()
-    if stop == "run":
-        outcome.terminate([Frozen()])
-    else:
-        outcome.stop([Frozen()], 0.2)
+    outcome.stop([FrozenCommand() if stop == "run" else Frozen()], grace_s=0.2)
     assert time.monotonic() - start < 60  # its 0.2 s graces, not forever (a busy machine may take seconds)
     assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
 
@@ -160,62 +170,36 @@ def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path
         f"multicard: {progress.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
 
 
-# -- orphans ---------------------------------------------------------------------------------------------------
-def test_a_forked_child_dies_with_the_process_that_forked_it(tmp_path):
-    """A rank's DataLoader workers (forked) end with the rank, however it ends: SIGKILL here."""
-    code = ("import os, sys, time\nfrom multicard.jobs import lifeline\nlifeline.tie_forks()\n"
-            "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"
-            "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}, start_new_session=True)
-    try:
-        pid = int(parent.stdout.readline())
-        deadline = time.monotonic() + 10
-        while not (children := children_of(pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(children) == 1
-        os.kill(pid, 9)
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while alive(children[0]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(children[0])
-    finally:
-        try:
-            os.killpg(parent.pid, 9)
-        except ProcessLookupError:
-            pass
-
-
+# -- orphans ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("start", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # fork: Linux's default
-def test_a_dataloader_worker_hung_in_getitem_dies_with_its_process(tmp_path, start):
-    """A worker of a loader multicard set up ends with the process it serves (a rank), even hung in __getitem__."""
+def test_a_dataloader_worker_hung_in_getitem_ends_with_the_job_when_its_rank_is_killed(tmp_path, start):
+    """A worker of a loader multicard set up, hung in __getitem__, when its rank is killed outright (the OOM
+    killer): the launcher stops the job, and the worker goes with its rank's process group."""
     (tmp_path / "hangs.py").write_text(
-        "import os, time\nimport torch\nfrom multicard.data.loaders import shard\n"
+        "import os, time\nimport torch\nimport multicard\n"
         "class Hangs(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n"
-        "    def __getitem__(self, i):\n        print(os.getpid(), flush=True)\n        time.sleep(600)\n"
+        "    def __getitem__(self, i):\n        print('worker', os.getpid(), flush=True)\n        time.sleep(600)\n"
         "if __name__ == '__main__':\n"
+        "    mc = multicard.Multicard()\n"
+        "    print('rank', os.getpid(), flush=True)\n"
         f"    loader = torch.utils.data.DataLoader(Hangs(), 4, num_workers=1, multiprocessing_context='{start}')\n"
-        "    inner = shard(loader, train=False, rank=0, world=1, device=torch.device('cpu'),\n"
-        "                  local_batch=lambda b, k=1: b)\n"
-        "    next(iter(inner))\n")
-    parent = subprocess.Popen([sys.executable, str(tmp_path / "hangs.py")], stdout=subprocess.PIPE, text=True,
-                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
-                              start_new_session=True)
+        "    next(iter(mc.setup_dataloader(loader, train=False)))\n")
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:1", "--quiet", "hangs.py"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}, start_new_session=True)
     try:
-        worker = int(parent.stdout.readline())  # it is in __getitem__ now
-        assert worker != parent.pid and alive(worker)
-        os.kill(parent.pid, 9)
-        parent.wait(10)
+        said = dict(job.stdout.readline().split() for _ in range(2))  # the rank, then its worker in __getitem__
+        rank, worker = int(said["rank"]), int(said["worker"])
+        assert worker != rank and alive(worker)
+        os.kill(rank, 9)
+        assert job.wait(HUNG_S) == 128 + 9
         deadline = time.monotonic() + 10
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(worker)
     finally:
-        try:
-            os.killpg(parent.pid, 9)
-        except ProcessLookupError:
-            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, 9)
 
 
 def test_a_rank_whose_launcher_is_gone_ends_and_never_publishes(monkeypatch, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import gzip
 import io
 import os
 import resource
@@ -19,6 +20,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import zipfile
 
 import pytest
 import torch
@@ -300,6 +302,49 @@ def test_a_rank_ends_cleanly_with_a_daemon_thread_in_torch_and_a_file_left_open(
     does, and flushes the files still open first, as that teardown would have."""
     assert multicard.launch(leaves_torch_busy, str(tmp_path / "held"), devices="cpu:2") == 41
     assert [(tmp_path / f"held.{rank}").read_text() for rank in (0, 1)] == [f"rank {r} wrote this\n" for r in (0, 1)]
+
+
+LEFT_OPEN = """
+import gzip, os, sys, tempfile, zipfile
+import multicard
+
+KEPT = {}  # a script's module globals, left open when the work returns
+
+
+def job(mc, where):
+    rank = mc.rank if mc is not None else 0
+    log = gzip.open(os.path.join(where, f"log-{rank}.gz"), "wt")
+    log.write("a line of a log\\n" * 2000)
+    archive = zipfile.ZipFile(os.path.join(where, f"outputs-{rank}.zip"), "w")
+    archive.writestr("result.txt", "42\\n" * 2000)
+    scratch = tempfile.NamedTemporaryFile(dir=where, prefix=f"scratch-{rank}-")
+    scratch.write(b"scratch")
+    KEPT.update(log=log, archive=archive, scratch=scratch)
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "plain":
+        job(None, sys.argv[1])
+    else:
+        multicard.launch(job, sys.argv[1], strategy="ddp", devices="cpu:2")
+"""
+
+
+@pytest.mark.parametrize("how", ["plain", "launch"])
+def test_what_a_script_leaves_open_is_finished_as_its_plain_run_finishes_it(tmp_path, how):
+    """A gzip log, a zip archive and a NamedTemporaryFile kept in a module global: plain python's teardown writes
+    both archives whole and removes the temporary; each rank of a launch ends the same (it skips the
+    interpreter's teardown, and finishes them itself)."""
+    (tmp_path / "left_open.py").write_text(LEFT_OPEN)
+    (tmp_path / "out").mkdir()
+    done = run([sys.executable, "left_open.py", str(tmp_path / "out"), how], tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    ranks = (0,) if how == "plain" else (0, 1)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        name for r in ranks for name in (f"log-{r}.gz", f"outputs-{r}.zip"))  # no scratch file left
+    for r in ranks:
+        assert gzip.open(tmp_path / "out" / f"log-{r}.gz", "rt").read() == "a line of a log\n" * 2000
+        assert zipfile.ZipFile(tmp_path / "out" / f"outputs-{r}.zip").read("result.txt") == b"42\n" * 2000
 
 
 # -- the folders of SIGKILLed launchers ---------------------------------------------------------------------------

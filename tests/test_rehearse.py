@@ -56,7 +56,7 @@ class Spawned(Exception):
 
 @pytest.fixture
 def no_spawn(monkeypatch):
-    def spawn(fn, processes, payload, named=()):
+    def spawn(fn, processes, payload, named=(), stop_grace=None):
         raise Spawned(processes, payload[1])  # payload: the Multicard class, then the strategy
 
     monkeypatch.setattr(launcher, "spawn", spawn)
@@ -167,7 +167,7 @@ def test_a_group_the_script_joined_over_nccl_cannot_serve_a_shared_card(monkeypa
 def test_run_starts_one_process_per_entry_and_tells_them_the_shared_card(cards, monkeypatch, tmp_path):
     cards(2)
     started = []
-    monkeypatch.setattr(launcher, "run_command", lambda command, processes, env: started.append((processes, env)))
+    monkeypatch.setattr(launcher, "run_command", lambda command, processes, env, _: started.append((processes, env)))
     script = tmp_path / "mine.py"
     script.write_text("")
     cli.main(["run", "--devices", "cuda:1,cuda:1", str(script)])

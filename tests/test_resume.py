@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,10 +19,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import multicard
-from conftest import HUNG_S, ROOT, shown, tiny_images
+from conftest import HUNG_S, ROOT, run_cli, shown, tiny_images
 from multicard.checkpoints import resume
 from multicard.errors import UsageError
-from multicard.jobs.failures import RankFailed
+from multicard.jobs.failures import RankFailed, Stopped
 from multicard.models import LeNet5
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import strict
@@ -104,6 +106,161 @@ def test_resuming_on_three_processes_continues_the_same_data_order(tmp_path):
                                                                                 / "step-00000003"), **plain)
     a, b = weights(tmp_path / "two"), weights(tmp_path / "three")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+# -- told to stop: SIGTERM / SIGUSR1 save the step in hand (issue 48, item 4) -------------------------------------
+class SignalsItself(LeNet5):
+    """Rank `rank` (its RANK; one process: 0) sends `signum` to itself alone at its `at`-th training forward; every
+    training forward's dispositions of SIGTERM and SIGUSR1 are noted in `seen`."""
+
+    def __init__(self, signum: int, at: int, rank: int = 0):
+        super().__init__()
+        self.signum, self.at, self.rank, self.batches, self.seen = int(signum), at, rank, 0, set()
+
+    def forward(self, x):
+        if self.training:
+            self.seen.add((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)))
+        if self.training and int(os.environ.get("RANK", "0")) == self.rank:
+            self.batches += 1
+            if self.batches == self.at:
+                os.kill(os.getpid(), self.signum)
+        return super().forward(x)
+
+
+def stopped_run(out: Path, signum: int, at: int, rank: int = 0, **overrides) -> Stopped:
+    torch.manual_seed(0)
+    with pytest.raises(Stopped) as stopped:
+        multicard.train(SignalsItself(signum, at, rank), tiny_images(96), tiny_images(30, 1), out=str(out),
+                        **{**LIGHT, **overrides})
+    return stopped.value
+
+
+@pytest.mark.parametrize("signum, every", [(signal.SIGTERM, 0), (signal.SIGUSR1, 3)],
+                         ids=["SIGTERM", "SIGUSR1-after-a-periodic-save"])
+def test_a_signal_saves_the_step_in_hand_and_resume_auto_goes_on_bit_identical(single, tmp_path, capsys, signum,
+                                                                                 every):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    stopped = stopped_run(tmp_path, signum, 6, strategy="single", devices="cpu",
+                          save_every_steps=every, keep_checkpoints=0)
+    assert stopped.signum == signum
+    # step 6, mid-epoch 2; with saves every 3 steps, step 6 is written once (a second write would be refused)
+    assert [p.name for p in resume.whole(tmp_path)] == [f"step-{s:08d}" for s in ((3, 6) if every else (6,))]
+    name = signal.Signals(signum).name
+    assert (f"multicard: stopped by {name} after step 6: checkpoint {tmp_path / 'checkpoints' / 'step-00000006'} "
+            f"written; go on with: the same multicard.train(...) call with out={str(tmp_path)!r}, resume=\"auto\""
+            ) in capsys.readouterr().out
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before  # put back
+    assert not list(tmp_path.glob("model.pt"))  # a stopped run shows no files
+    lenet_run(tmp_path, strategy="single", devices="cpu", resume="auto")
+    assert identical(single, tmp_path)
+    assert [r["train_loss"] for r in records(tmp_path)] == pytest.approx([r["train_loss"] for r in records(single)])
+
+
+def test_no_save_on_signal_leaves_the_signals_as_they_were_and_sigint_saves_nothing(tmp_path):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    for on in (False, True):
+        model = SignalsItself(signal.SIGINT, 99)  # never sent: it notes the handlers each training step meets
+        multicard.train(model, tiny_images(96), None, out=str(tmp_path / str(on)), strategy="single", devices="cpu",
+                        **{**LIGHT, "epochs": 1, "save_on_signal": on})
+        # on: as they were until the first read (after step 1), then multicard's, which only record the signal
+        assert before in model.seen and len(model.seen) == (2 if on else 1)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == before
+    torch.manual_seed(0)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C stops at once, as it did: nothing saved
+        multicard.train(SignalsItself(signal.SIGINT, 6), tiny_images(96), None, out=str(tmp_path / "int"),
+                        strategy="single", devices="cpu", **LIGHT)
+    assert resume.whole(tmp_path / "int") == []
+
+
+def test_outside_the_main_thread_a_run_says_it_cannot_save_on_a_signal(tmp_path, capsys):
+    import threading
+
+    thread = threading.Thread(target=lenet_run, args=(tmp_path,), kwargs=dict(strategy="single", devices="cpu",
+                                                                              epochs=1))
+    thread.start()
+    thread.join()
+    assert (tmp_path / "model.pt").exists()
+    assert "multicard: --save-on-signal: off in this run: it trains outside the main thread" in capsys.readouterr().out
+
+
+def saved_step(tmp_path: Path, signalled: int) -> int:
+    """The one checkpoint a stop wrote: at the first read after the signal's step at which the ranks met (reads
+    1, 2, 4, 8, ... meet while a second's worth of reads is more: the 8th, after step 7, in these runs)."""
+    steps = [int(p.name.partition("-")[2]) for p in resume.whole(tmp_path)]
+    assert len(steps) == 1 and steps[0] >= signalled
+    return steps[0]
+
+
+def test_a_signal_to_one_rank_of_two_stops_both_at_the_same_step(ddp, tmp_path, capsys):
+    """Rank 1 alone gets SIGUSR1 (os.kill of its own pid) in its step 6: both ranks agree at the next read at which
+    they meet, write that step together, and the launch raises Stopped; --resume auto ends bit-identical to the
+    unstopped run."""
+    stopped = stopped_run(tmp_path, signal.SIGUSR1, 6, rank=1, strategy="ddp", devices="cpu:2")
+    assert stopped.signum == signal.SIGUSR1
+    step = saved_step(tmp_path, 6)
+    assert f"multicard: stopped by SIGUSR1 after step {step}: checkpoint" in capsys.readouterr().out
+    lenet_run(tmp_path, strategy="ddp", devices="cpu:2", resume="auto")
+    assert identical(ddp, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_signal_under_fsdp_saves_its_shards_and_resumes_bit_identical(tmp_path):
+    lenet_run(tmp_path / "whole", strategy="fsdp", devices="cpu:2")
+    stopped = stopped_run(tmp_path / "run", signal.SIGTERM, 7, rank=1, strategy="fsdp", devices="cpu:2")
+    assert stopped.signum == signal.SIGTERM
+    saved_step(tmp_path / "run", 7)
+    lenet_run(tmp_path / "run", strategy="fsdp", devices="cpu:2", resume="auto")
+    assert identical(tmp_path / "whole", tmp_path / "run")
+
+
+SIGNALS_ONCE = """
+import os, signal
+from pathlib import Path
+from multicard.models import LeNet5
+
+class SignalsOnce(LeNet5):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("RANK", "0") == os.environ["SIGNAL_RANK"]:
+            self.batches += 1
+            if self.batches == 5 and not os.path.exists("signalled"):
+                Path("signalled").touch()
+                os.kill(os.getpid(), signal.SIGTERM)
+        return super().forward(x)
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu", pytest.param("cpu:2", marks=pytest.mark.slow)])
+def test_multicard_train_on_sigterm_saves_says_how_to_go_on_and_exits_143(tmp_path, devices):
+    (tmp_path / "once.py").write_text(SIGNALS_ONCE)
+    job = ["--model", "once.py:SignalsOnce", "--data", "synthetic", "--synthetic-samples", "96", "--batch-size", "24",
+           "--epochs", "3", "--quiet", "--devices", devices]
+    env = {"SIGNAL_RANK": "1" if devices == "cpu:2" else "0", "PYTHONPATH": os.path.join(ROOT, "src")}
+    (tmp_path / "signalled").touch()  # the unstopped run sends no signal
+    plain = run_cli("train", *job, "--out", "plain", cwd=tmp_path, env=env)
+    assert plain.returncode == 0, plain.stderr
+    (tmp_path / "signalled").unlink()
+    stopped = run_cli("train", *job, "--out", "run", cwd=tmp_path, env=env)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == "multicard: stopped by SIGTERM; every rank was stopped"
+    line = next(line for line in stopped.stdout.splitlines() if "stopped by" in line)
+    command = shlex.join(["multicard", "train", *job, "--out", "run", "--resume", "auto"])
+    step = int(re.match(r"multicard: stopped by SIGTERM after step (\d+): ", line)[1])  # one process: the 5th;
+    assert step == 5 if devices == "cpu" else step >= 5  # two: the first read after it at which the ranks meet
+    assert line == (f"multicard: stopped by SIGTERM after step {step}: checkpoint run/checkpoints/step-{step:08d} "
+                    f"written; go on with: {command}")
+    again = run_cli(*shlex.split(line.partition("go on with: multicard ")[2]), cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from run/checkpoints/step-{step:08d}/state.pt" in again.stdout
+    assert identical(tmp_path / "plain", tmp_path / "run")
+    # --no-save-on-signal: SIGTERM ends one process at once, as it did before (the default disposition)
+    if devices == "cpu":
+        (tmp_path / "signalled").unlink()
+        off = run_cli("train", *job, "--out", "off", "--no-save-on-signal", cwd=tmp_path, env=env)
+        assert off.returncode == -signal.SIGTERM and resume.whole(tmp_path / "off") == []
 
 
 class DiesOnce(LeNet5):

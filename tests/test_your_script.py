@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import multicard
-from conftest import HUNG_S
+from conftest import HUNG_S, ROOT
 from multicard.errors import UsageError
 from multicard.yourloop.collectives import bounds
 from multicard.yourloop.multicard import Multicard
@@ -314,3 +316,55 @@ def fsdp_job(mc: Multicard) -> list:
 
 def test_fsdp_skips_by_backward_and_follows_the_switch():
     assert multicard.launch(fsdp_job, strategy="fsdp", devices="cpu:2") == [(True, True, False)] * 2
+
+
+# -- saving when the cluster says stop: docs/your-loop.md's script (issue 48, item 5) --------------------------------
+def stop_example() -> str:
+    """The whole script of your-loop.md's "Saving when the cluster says stop"."""
+    text = (Path(ROOT) / "docs" / "your-loop.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "mc.stop_requested" in b)
+
+
+# put before the script: the last rank sends SIGUSR1 to itself alone after its 7th optimizer step, unless the
+# checkpoint it would stop at is there already (the run that goes on)
+SIGNALLED = """import os, signal
+from pathlib import Path
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_steps = [0]
+
+
+def _signal_once(optimizer, args, kwargs):
+    _steps[0] += 1
+    if _steps[0] == 7 and os.environ.get("RANK", "0") == {rank!r} and not Path("stop-ckpt.pt").exists():
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+register_optimizer_step_post_hook(_signal_once)
+"""
+
+
+@pytest.mark.parametrize("devices", ["cpu", pytest.param("cpu:2", marks=pytest.mark.slow)])
+def test_the_docs_loop_saves_on_a_signal_and_goes_on_bit_identical(tmp_path, devices):
+    n = int(devices.partition(":")[2] or 1)
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    for name, prefix in (("whole", ""), ("stopped", SIGNALLED.format(rank=str(n - 1)))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "script.py").write_text(prefix + stop_example())
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "multicard", "run", "--quiet", "--devices", devices, "script.py"],
+                              cwd=tmp_path / name, env=env, capture_output=True, text=True, timeout=HUNG_S)
+
+    whole = run("whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = run("stopped")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    said = re.fullmatch(r"stopped by SIGUSR1 after step (\d+): stop-ckpt\.pt written\n", stopped.stdout)  # rank 0's
+    assert said and (int(said[1]) == 7 if n == 1 else int(said[1]) >= 7)  # 2: the next read at which the ranks met
+    assert not (tmp_path / "stopped" / "model.pt").exists()
+    again = run("stopped")  # the checkpoint is there: it goes on from step 7 (and sends no signal)
+    assert again.returncode == 0 and not again.stdout, again.stderr[-3000:]
+    a, b = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("whole", "stopped"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -230,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
                    "mode (the same result run after run on a card too), as Multicard(deterministic=True)")
     r.add_argument("--quiet", action="store_true", help="no line as the job starts and none as it ends well (the "
                    "script's own output is untouched)")
+    r.add_argument("--stop-grace", type=value(float), metavar="S", default=30.0, help="a job stopped by a signal "
+                   "(SIGTERM, SIGINT, SIGHUP): how long each rank gets to act on it (a save) before SIGKILL "
+                   "(default: 30, as torchrun)")
     r.add_argument("-m", dest="module", action="store_true", help="SCRIPT names a module, run as python -m does")
     r.add_argument("script", nargs="?", help="the script (or module), then its own arguments")
     r.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -143,7 +143,6 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     if not job.launched:  # one process on its own (ddp on one device): nobody to meet, so no port at all
         dist.init_process_group(backend_for(devices), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
-    lifeline.tie_forks()
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
         lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
     progress_slot()[1] = timeout_s

@@ -34,7 +34,18 @@ from ..errors import UsageError, note
 from . import closed, failures, jobdir, lifeline, progress, shipping, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
-from .outcome import blame, first_failure, first_failure_of, parted, slot_path, stop, terminate, told
+from .outcome import (
+    FAILED_GRACE_S,
+    STOP_GRACE_S,
+    blame,
+    first_failure,
+    first_failure_of,
+    parted,
+    slot_path,
+    stop,
+    to_group,
+    told,
+)
 
 
 def free_port() -> int:
@@ -67,18 +78,22 @@ def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str
 class Signals:
     """While entered (in the main thread: only it may set handlers), SIGINT, SIGTERM and SIGHUP raise Stopped;
     while `held`, the first one waits for release; SIGTSTP (Ctrl-Z) pauses the ranks (`ranks`: their pids) with this
-    process, and they go on with it. A signal this process was started to ignore (SIGHUP under nohup, SIGINT for a
-    shell's `cmd &`) stays ignored: that is what the user asked for."""
+    process, and they go on with it; SIGUSR1 and SIGUSR2 (a cluster's warning before it stops the job: SLURM's
+    --signal) are passed on to every rank, whose script's handler runs (`passed`: those passed on). A signal this
+    process was started to ignore (SIGHUP under nohup, SIGINT for a shell's `cmd &`) stays ignored: that is what
+    the user asked for."""
 
     def __init__(self):
         self.previous: dict[int, Any] = {}
         self.held, self.pending = False, 0
         self.ranks: list[int] = []
+        self.passed: set[int] = set()
 
     def __enter__(self) -> Signals:
         if threading.current_thread() is threading.main_thread():
-            for s, handler in ((signal.SIGINT, self._stop), (signal.SIGTERM, self._stop), (signal.SIGHUP, self._stop),
-                               (signal.SIGTSTP, self._pause)):
+            handlers = {signal.SIGINT: self._stop, signal.SIGTERM: self._stop, signal.SIGHUP: self._stop,
+                        signal.SIGTSTP: self._pause, signal.SIGUSR1: self._pass, signal.SIGUSR2: self._pass}
+            for s, handler in handlers.items():
                 if signal.getsignal(s) is not signal.SIG_IGN:
                     self.previous[s] = signal.signal(s, handler)
         return self
@@ -96,10 +111,16 @@ class Signals:
 
     def _pause(self, signum: int, frame: Any) -> None:
         for pid in self.ranks:
-            tell_rank(pid, signal.SIGSTOP)
+            to_group(pid, signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGSTOP)  # as Ctrl-Z would have; the shell's `fg` (SIGCONT) goes on from here
-        for pid in self.ranks:
-            tell_rank(pid, signal.SIGCONT)
+        for pid in self.ranks:  # (a stop that comes meanwhile wakes them as it ends them: outcome.stop)
+            to_group(pid, signal.SIGCONT)
+
+    def _pass(self, signum: int, frame: Any) -> None:
+        self.passed.add(signum)
+        for pid in self.ranks:  # the rank alone: its DataLoader workers would die of it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -112,29 +133,21 @@ class Signals:
             raise Stopped(self.pending)
 
 
-def tell_rank(pid: int, signum: int) -> None:
-    """`signum` to a rank and to the processes it started (its DataLoader workers: the rank leads their process
-    group once it has started); nothing to a rank already gone."""
-    with contextlib.suppress(ProcessLookupError):
-        try:
-            os.killpg(pid, signum)
-        except ProcessLookupError:  # a rank still starting (spawn's own set-up) leads no group yet
-            os.kill(pid, signum)
-
-
-def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tuple = ()) -> Any:
+def spawn(fn: Callable, nprocs: int, args: tuple, named: tuple = (), stop_grace: float = STOP_GRACE_S) -> Any:
     """fn(*args) in `nprocs` fresh processes, ranks 0..nprocs-1 of one job; returns what rank 0's returned.
     The first failure stops them all: RankFailed names the rank to blame (UsageError for a bad input only a
-    process could see). SIGINT, SIGTERM or SIGHUP here stops them all and raises Stopped: not a failure to
-    retry. From a notebook, `python -` or `-c`, what `__main__` defined goes by value (shipping.py) and what the
-    processes print comes back here (streams.py). `named`: (name, object) for each thing the user passed, to
-    name the one that cannot be sent."""
+    process could see). SIGINT, SIGTERM or SIGHUP here is passed on to every rank, which gets `stop_grace`
+    seconds to act on it (a save) before SIGKILL; then Stopped is raised: not a failure to retry. From a notebook,
+    `python -` or `-c`, what `__main__` defined goes by value (shipping.py) and what the processes print comes
+    back here (streams.py). `named`: (name, object) for each thing the user passed, to name the one that cannot
+    be sent."""
     import multiprocessing
 
     spawned.end_if_started_again()
     server = store()
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or CUDA
     processes: list = []
+    stopping, ended = 0, False  # the signal that stopped the job; whether it ended well
     relay = streams.Relay(context)
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
@@ -160,12 +173,16 @@ def spawn(fn: Callable, nprocs: int, args: tuple, grace_s: float = 3, named: tup
                         relay.started(ends)
             failed = first_failure_of(processes, folder)
             if failed is None:
+                ended = True
                 with open(os.path.join(folder, "result"), "rb") as f:
                     return pickle.load(f)
-            raise _failure(failed, processes, folder)
+            raise _failure(failed, processes, folder, signals.passed)
+        except Stopped as e:
+            stopping = e.signum
+            raise
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
-            stop(processes, grace_s)
+            stop(processes, stopping or signal.SIGTERM, stop_grace if stopping else FAILED_GRACE_S, groups=not ended)
             relay.finish()  # what they printed last shows before what this raises
 
 
@@ -190,9 +207,9 @@ def _blocked(signum: int) -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _failure(rank: int, processes: list, folder: str) -> Exception:
+def _failure(rank: int, processes: list, folder: str, passed: set[int] = frozenset()) -> Exception:
     """What to raise for the failed `rank`: what it said of itself, else the rank it timed out waiting for,
-    else its bad input, its traceback, or how it ended."""
+    else its bad input, its traceback, or how it ended (`passed`: the signals this launcher passed on)."""
     kind, text = told(folder, rank)
     if kind == "said":  # it was interrupted or stopped, by a signal to it alone
         return RankFailed(rank, text, meant=True)
@@ -208,7 +225,17 @@ def _failure(rank: int, processes: list, folder: str) -> Exception:
         return UsageError(text)
     if kind == "trace":
         return RankFailed(rank, text)
-    return RankFailed(rank, f"rank {rank} ended with {_how(processes[rank].exitcode)} (its output is above)")
+    return RankFailed(rank, ended_by(rank, processes[rank].exitcode, passed))
+
+
+def ended_by(rank: int, code: int, passed: set[int]) -> str:
+    """How rank `rank` ended with exit status `code` (negative: a signal), in a sentence; a signal this launcher
+    passed on that the script has no handler for is named as such."""
+    if -code in passed:
+        name = signal.Signals(-code).name
+        return f"rank {rank} ended on {name}, which this launcher passed on to every rank: the script has no handler " \
+               f"for it (set one with signal.signal({name}, ...) to act on it, e.g. save a checkpoint)"
+    return f"rank {rank} ended with {_how(code)} (its output is above)"
 
 
 def _how(code: int) -> str:
@@ -221,13 +248,15 @@ def ranks_env(nprocs: int, env: dict[str, str]) -> dict[str, str]:
     return {**openmp_env(nprocs, {**os.environ, **env}), **env}
 
 
-def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None) -> int:
+def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = None,
+                stop_grace: float = STOP_GRACE_S) -> int:
     """Run `command` as ranks 0..nprocs-1 of one job; return 0 when all end well, else the first failure's
-    exit code (128 + N for signal N). A signal to this process stops them all."""
+    exit code (128 + N for signal N). A signal to this process stops them all: each gets it, and `stop_grace`
+    seconds to act on it before SIGKILL."""
     server = store()
     procs: list[subprocess.Popen] = []
     env = ranks_env(nprocs, env or {})
-    stopping = signal.SIGTERM
+    stopping, ended = 0, False  # the signal that stopped the job; whether it ended well
     with Signals() as signals, jobdir.job_folder() as folder:
         try:
             parent = os.getpid()
@@ -240,6 +269,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                     signals.ranks.append(procs[-1].pid)
             failed = first_failure(procs, folder)
             if failed is None:
+                ended = True
                 return 0
             rank, code = failed
             if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: nothing to say
@@ -254,7 +284,8 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                 note(f"{blamed[1]}; every rank was stopped")
             else:
                 others = "; the other ranks were stopped" if nprocs > 1 else ""
-                said = text if kind == "lost" else f"rank {rank} failed with {_how(code)} (its output is above)"
+                said = text if kind == "lost" else ended_by(rank, code, signals.passed).replace(" ended with ",
+                                                                                               " failed with ", 1)
                 note(f"{said}{others}")
             return 128 - code if code < 0 else code
         except Stopped as e:
@@ -263,7 +294,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             return 128 + e.signum
         finally:
             signals.held = True  # stopping is under way: a second Ctrl-C must not cut it short
-            terminate(procs, stopping)
+            stop(procs, stopping or signal.SIGTERM, stop_grace if stopping else FAILED_GRACE_S, groups=not ended)
 
 
 def relaunch(strategy: Any) -> None:

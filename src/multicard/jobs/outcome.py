@@ -11,10 +11,12 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from ..errors import note
+from ..errors import UsageError, note
 from . import dist, progress
 
-STOP_GRACE_S = 5  # a stopped process gets this long to go on SIGTERM before SIGKILL
+STOP_GRACE_S = 30.0  # a job stopped by a signal: its ranks get this long to act on it (a save) before SIGKILL, as
+# torchrun gives them (multicard run --stop-grace, launch(stop_grace=))
+FAILED_GRACE_S = 5.0  # a job a rank failed: the others get this long to end on SIGTERM before SIGKILL
 KILLED_S = 5  # and this long to be gone after SIGKILL: one frozen in the kernel (a cgroup freezer) is not waited for
 MISMATCH_S = 2  # a rank timed out waiting: how long the others get to time out too (then none stopped: a mismatch)
 PEER_S = 3  # a rank that failed because another was lost: how long the others get to say they failed first
@@ -125,28 +127,65 @@ def _state(pid: int) -> str:
         return "?"
 
 
-def stop(processes: list, grace_s: float) -> None:
-    """SIGTERM to every process still running (and SIGCONT: a stopped one must wake up to act on it), SIGKILL
-    to any still there after grace_s. One that ends on SIGTERM cleans up after itself: nothing it made (its
-    semaphores) is left for the resource tracker to warn about."""
+def checked_grace(seconds: float, what: str) -> float:
+    """A stop grace as given (seconds, 0 or more), or one line naming `what` (the flag or the keyword)."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < float("inf"):
+        raise UsageError(f"{what}: give the seconds a rank gets between the stop signal and SIGKILL (0 or more)")
+    return float(seconds)
+
+
+def stop(processes: list, signum: int = signal.SIGTERM, grace_s: float = FAILED_GRACE_S, groups: bool = True) -> None:
+    """Stop a job's ranks (subprocess.Popen or multiprocessing processes): `signum` to each rank still running,
+    SIGCONT to its process group (a rank stopped by Ctrl-Z, and what it started, must wake to act on it); once
+    they have ended, or after grace_s, SIGKILL to what is left: with `groups`, each rank's whole process group (the
+    processes it started, its DataLoader workers: torchrun ends a rank's group so), else the rank alone. A rank
+    that ends on SIGTERM cleans up after itself: nothing it made (its semaphores) is left for the resource tracker
+    to warn about."""
     import multiprocessing.process
 
-    alive = [p for p in processes if p.is_alive()]
+    alive = [p for p in processes if _running(p)]
     for p in alive:
         with contextlib.suppress(ProcessLookupError):
-            p.terminate()
-            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signum)
+        to_group(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
+        _wait(p, deadline - time.monotonic())
+    for p in processes if groups else alive:
+        if groups:
+            to_group(p.pid, signal.SIGKILL)
+        elif _running(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
     deadline = time.monotonic() + KILLED_S
     for rank, p in enumerate(processes):
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
+        if not _wait(p, deadline - time.monotonic()):
             _left_behind(rank, p.pid)
             multiprocessing.process._children.discard(p)  # else Python's exit would wait for it without limit
+
+
+def to_group(pid: int, signum: int) -> None:
+    """`signum` to the process group rank `pid` leads (the rank, and the processes it started that stay in it);
+    to the rank alone where it leads none yet (spawn's own set-up); nothing where all of it is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            os.kill(pid, signum)
+
+
+def _running(p) -> bool:
+    return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+
+def _wait(p, timeout: float) -> bool:
+    """Wait up to `timeout` s for a rank to end; whether it has."""
+    if isinstance(p, subprocess.Popen):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, timeout))
+    else:
+        p.join(max(0.0, timeout))
+    return not _running(p)
 
 
 def told(folder: str, rank: int) -> tuple[str, str]:
@@ -185,28 +224,6 @@ def _wait_for_any_child() -> int | None:
         return None
     time.sleep(0.01)  # a child this loop does not own would be seen again at once: never spin
     return pid
-
-
-def terminate(procs: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
-    """`signum` (and SIGCONT, for one stopped by a signal) to each process still running; SIGKILL after
-    STOP_GRACE_S."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signum)
-                os.kill(p.pid, signal.SIGCONT)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    deadline = time.monotonic() + KILLED_S
-    for rank, p in enumerate(procs):
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _left_behind(rank, p.pid)
 
 
 def _left_behind(rank: int, pid: int) -> None:

@@ -16,8 +16,10 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import traceback
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -140,32 +142,69 @@ def _fail(kind: str, text: str) -> None:
 
 
 def _end(code: int) -> None:
-    """End this rank as a forked multiprocessing child ends: multiprocessing's finalizers, the exit handlers, every
-    stream and file still open flushed, then os._exit. Never the interpreter's own teardown: a thread still in
-    torch's C++ code then (a gloo worker dropping a finished collective's tensors, a daemon thread mid-op) takes
-    the GIL as it goes, and the process aborts (SIGABRT, "terminate called without an active exception") after
-    fn had succeeded."""
+    """End this rank as the interpreter's teardown would end it, for what the script sees: multiprocessing's
+    finalizers, the exit handlers, then what fn left open finished (finish_left_open: an archive gets its end, a
+    temporary file is removed) and every stream flushed; then os._exit, not the teardown itself. There a thread
+    still in torch's C++ code (a gloo worker dropping a finished collective's tensors, a daemon thread mid-op)
+    takes the GIL as the interpreter goes, and the process aborts (SIGABRT, "terminate called without an active
+    exception") after fn had succeeded; and it tears down thousands of torch's modules one by one."""
     _ending()
     from multiprocessing import util
 
     util._exit_function()  # multiprocessing's finalizers (a Queue's last items sent), its children ended
     atexit._run_exitfuncs()  # logging's, tempfile's, the user's own
-    for stream in (sys.stdout, sys.stderr, *_open_files()):
+    _flush()
+    finish_left_open()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     with contextlib.suppress(Exception):
         import ctypes
 
         ctypes.CDLL(None).fflush(None)  # what C and C++ code printed (stdio buffers a pipe or a file)
-    os._exit(code)
 
 
-def _open_files() -> list[io.IOBase]:
-    """The files this process still holds (a module's global, say), which the interpreter's teardown would have
-    flushed as it freed them; one closed already refuses the flush. Their types are asked with type(): isinstance
-    would ask each object its __class__, and some of torch's warn when asked."""
-    kinds = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-    return [f for f in gc.get_objects() if issubclass(type(f), kinds)]
+LEFT_OPEN = (io.IOBase, zipfile.ZipFile, tempfile._TemporaryFileWrapper)  # what the teardown finishes as it frees it
+
+
+def finish_left_open() -> None:
+    """Close what the script left open (a module's global, say), as the interpreter's teardown does when it frees
+    it: a gzip or zip archive gets its end written, a NamedTemporaryFile is removed, a file is flushed and closed.
+    The outermost first (a TextIOWrapper before the gzip file it writes into, that before the file beneath it);
+    the process's own streams are only flushed. A thread still writing into one ends quietly. Types are asked with
+    type(): isinstance would ask each object its __class__, and some of torch's warn when asked."""
+    threading.excepthook = lambda args: None  # a daemon thread writing into a file closed here: this process ends
+    own = {id(layer) for s in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__)
+           for layer in (s, getattr(s, "buffer", None), getattr(getattr(s, "buffer", None), "raw", None))}
+    left = [o for o in gc.get_objects() if issubclass(type(o), LEFT_OPEN) and id(o) not in own and _open(o)]
+    while left:
+        ids = {id(o) for o in left}
+        inner = {id(r) for o in left for r in _parts(o) if id(r) in ids and r is not o}
+        outer = [o for o in left if id(o) not in inner] or left[:1]  # (a cycle: one at a time)
+        for o in outer:
+            with contextlib.suppress(Exception):
+                o.close()
+        done = {id(o) for o in outer}
+        left = [o for o in left if id(o) not in done and _open(o)]
+
+
+def _open(o: Any) -> bool:
+    with contextlib.suppress(Exception):
+        return o.fp is not None if issubclass(type(o), zipfile.ZipFile) else not o.closed
+    return False
+
+
+def _parts(o: Any) -> list:
+    """What `o` holds: what the collector sees of it, and its attributes."""
+    held = gc.get_referents(o)
+    with contextlib.suppress(TypeError):
+        held += list(vars(o).values())
+    return held
 
 
 def _running() -> list[threading.Thread]:

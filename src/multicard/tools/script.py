@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
     """Start args.script with its arguments (args.args) as every rank of the job run's flags name. `own_flags`:
     run's own flags, each with whether it takes a value."""
+    from ..jobs.outcome import checked_grace
+
+    grace = checked_grace(args.stop_grace, f"--stop-grace {args.stop_grace:g}")
     if not args.script:
         raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
     if not args.module and not os.path.isfile(args.script):
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
         if strategy.processes == 1 and (wrong := misplaced(args.script, args.args, own_flags)):
             note(wrong)
         note(start_line(args.script, strategy, env))
-    code = run_command([sys.executable, *command], strategy.processes, env)
+    code = run_command([sys.executable, *command], strategy.processes, env, grace)
     if code == 0 and not args.quiet:  # a failure has said its own line
         n = strategy.processes
         note(f"done: {args.script} ended well on {n} process{'es' * (n > 1)} in {time.monotonic() - started:.1f} s "

@@ -41,8 +41,8 @@ FLAG_GROUPS = {
     "strategy: how the processes and cards share the work": (
         "strategy", "devices", "fsdp_blocks", "reshard_after_forward", "find_unused_parameters", "sync_bn", "timeout",
         "replica_check", "replica_check_every"),
-    "checkpoints: saving, resuming, restarting": ("save_every", "save_every_steps", "keep_checkpoints", "resume",
-                                                  "max_restarts"),
+    "checkpoints: saving, resuming, restarting": ("save_every", "save_every_steps", "keep_checkpoints",
+                                                  "save_on_signal", "resume", "max_restarts"),
     "output: what it shows and writes": ("quiet", "out", "trust_dir", "tensorboard", "progress_every"),
 }
 
@@ -140,6 +140,11 @@ class TrainConfig:
     save_every: int = opt(0, "write a checkpoint into --out/checkpoints every this many epochs (0: never)")
     save_every_steps: int = opt(0, "write a checkpoint every this many optimizer steps (0: never)")
     keep_checkpoints: int = opt(2, "checkpoints kept (the newest; 0 keeps all)")
+    # a preempted job keeps its work: every rank agrees on the stop at one step (mc.stop_requested, read every step;
+    # the ranks meet about once a second), saves there and exits 128+signal; --resume auto goes on bit for bit. Not
+    # SIGINT (Ctrl-C)
+    save_on_signal: bool = opt(True, "on SIGTERM or SIGUSR1 (SLURM's --signal=USR1@90), finish the step in hand, "
+                               "write a checkpoint into --out/checkpoints and exit; --resume auto goes on from it")
     # auto: the newest checkpoint in --out/checkpoints, or a fresh start if there is none
     # a resumed run is the run it continues: its recipe comes from the checkpoint (resume.inherit)
     resume: str = opt("", "continue exactly from a checkpoint: auto (the newest in --out; none: start afresh) or "

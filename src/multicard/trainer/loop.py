@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -21,11 +24,17 @@ from tqdm import tqdm
 from ..checkpoints import saves
 from ..data.images import ImageData
 from ..errors import UsageError, say
+from ..jobs.failures import Stopped
 from ..yourloop.memory import shard_bytes
 from ..yourloop.multicard import Multicard
 from . import trust
 from .config import TrainConfig
 from .observe import Progress, straggler
+
+
+class SavedAndStopped(Stopped):
+    """fit was told to stop (SIGTERM or SIGUSR1, agreed by every rank through mc.stop_requested): it saved the
+    checkpoint `--resume auto` goes on from, and stopped. A Stopped: the job ends as the signal ends it."""
 
 
 def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -63,7 +72,9 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
 
     Checkpoints go to config.out/checkpoints (`out`: --out as rank 0 holds it open) every config.save_every epochs
     and config.save_every_steps optimizer steps; `resume` (a checkpoint's state.pt) continues from one exactly
-    where it was taken.
+    where it was taken. With config.save_on_signal, every rank reads mc.stop_requested after each optimizer step
+    (and at each epoch's end but the last): once any rank got SIGTERM or SIGUSR1, all write a checkpoint there as a
+    periodic save does, rank 0 says where and how to go on, and every rank raises SavedAndStopped.
 
     What it logs goes through mc.log (rank 0's loggers, e.g. TensorBoard): the mean training loss and the rate
     every few optimizer steps, and each epoch's record at the optimizer step it ended on. Each record holds
@@ -91,6 +102,11 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             mc.log(epoch_scalars(record), done)
 
     saved = [-1]  # the step of the newest checkpoint: one step is written once
+    # a stop signal (SIGTERM, SIGUSR1) saves the step in hand; only the main thread can take signals
+    watching = config.save_on_signal and threading.current_thread() is threading.main_thread()
+    if config.save_on_signal and not watching and mc.is_main:
+        say("--save-on-signal: off in this run: it trains outside the main thread, where Python sets no signal "
+            "handlers (SIGTERM and SIGUSR1 stop it without a checkpoint)")
     nothing = contextlib.nullcontext()
     trusted = trust.trusted(config.trust_dir)
 
@@ -103,6 +119,13 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                     "config": asdict(config)}
         checkpointer.save(steps, {**objects, **progress}, config.keep_checkpoints)
         saved[0] = steps
+
+    def stop(partial: dict | None) -> None:  # every rank, at the read that agreed on the stop
+        if saved[0] != steps:
+            save(partial)
+        if mc.is_main:
+            say(stop_line(mc.stop_signal, steps, config))
+        raise SavedAndStopped(signal.Signals[mc.stop_signal])
 
     for epoch in range(train_loader.epoch, config.epochs):
         model.train()
@@ -153,6 +176,9 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
                     seconds = before + began - start
                     save({"sums": totals(mc, loss_sum, samples, clipped), "lrs": lrs, "seconds": seconds})
                     waited += time.perf_counter() - began
+                if watching and mc.stop_requested:  # every rank, every step: agreed at the same one
+                    seconds = before + time.perf_counter() - start
+                    stop({"sums": totals(mc, loss_sum, samples, clipped), "lrs": lrs, "seconds": seconds})
             bar.update()
             if progress is not None:
                 progress.tick(epoch + 1, len(lrs), n * mc.world_size)
@@ -179,9 +205,30 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
             on_epoch(history)
         if config.save_every and (epoch + 1) % config.save_every == 0 and saved[0] != steps:
             save(None)  # (a checkpoint after the epoch's last step resumes to this same point)
+        if watching and epoch + 1 < config.epochs and mc.stop_requested:  # got during the evaluation
+            stop(None)  # (after the last epoch the run finishes instead: its files are the whole result)
     checkpointer.close()
     bar.close()
     return history
+
+
+def stop_line(signal_name: str, steps: int, config: TrainConfig) -> str:
+    """What rank 0 says as a stopped run ends: where its checkpoint is, and the command that goes on from it (the
+    same `multicard train` flags with --resume auto; from Python, the same train() call with resume="auto")."""
+    folder = Path(config.out) / saves.FOLDER / f"step-{steps:08d}"
+    argv = sys.argv
+    program = Path(argv[0]) if argv else Path()
+    if argv[1:2] == ["train"] and (program.name == "multicard" or program.parts[-2:] == ("multicard", "__main__.py")):
+        kept, words = [], iter(argv[2:])
+        for word in words:
+            if word == "--resume":
+                next(words, None)  # and its value
+            elif not word.startswith("--resume="):
+                kept.append(word)
+        again = shlex.join(["multicard", "train", *kept, "--resume", "auto"])
+    else:
+        again = f"the same multicard.train(...) call with out={config.out!r}, resume=\"auto\""
+    return f"stopped by {signal_name} after step {steps}: checkpoint {folder} written; go on with: {again}"
 
 
 def key_augmentation(loader, seed: int, epoch: int) -> None:

@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,13 @@ from ..checkpoints import plain as checkpoint
 from ..checkpoints.saves import claim
 from ..data.loaders import on_card
 from ..errors import UsageError, say
-from ..jobs import lifeline, spawned
-from ..jobs.failures import RankFailed, said
+from ..jobs import failures, lifeline, spawned
+from ..jobs.failures import RankFailed, Stopped, said
 from ..yourloop.loggers import TensorBoardLogger
 from ..yourloop.memory import MB
 from ..yourloop.multicard import Multicard
 from .config import TrainConfig, idle
-from .loop import accuracy, fit
+from .loop import SavedAndStopped, accuracy, fit
 from .observe import straggler
 from .outdir import FILES, OPTIONAL, Output, held_out
 from .recipe import make_optimizer, make_scheduler
@@ -111,6 +111,9 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
             if output is not None:  # checkpoints belong to a run: this one's, or those of the run it goes on with
                 claim(output.root, start.checkpoint, output.check_checkpoints)
             summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
+            if isinstance(summary, Halted):  # every rank saved and stopped: the job ends as the signal ends it
+                failures.uncaught_ends_as_signal()  # (a script that leaves it uncaught: one line, then the signal)
+                raise Stopped(summary.signum)
         except RankFailed as e:
             output.discard(run)
             # a process stopped on purpose (Ctrl-C or SIGTERM to it alone) is not restarted: someone meant it
@@ -136,6 +139,13 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
                 shown = [*FILES, *(name for name in OPTIONAL if (output.root / name).exists())]
                 say(f"wrote {', '.join(str(output.path / name) for name in shown)}")
         return summary
+
+
+@dataclass(frozen=True)
+class Halted:
+    """What worker returns on every rank that saved and stopped on a signal (mc.stop_requested): rank 0's comes back
+    to the caller, who raises Stopped(signum) (a spawned rank's own Stopped would reach it as that rank's failure)."""
+    signum: int
 
 
 def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Dataset | None, criterion: Callable,
@@ -187,8 +197,11 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
             f"({train_loader.local_batch_size} per process{' per micro-batch' if micro else ''}){note}")
     per_step = given_scheduler is None or every == "step"
     held: dict[str, int] = {}
-    history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
-                  report.epoch, resume, held, out.via if out is not None else None)
+    try:
+        history = fit(mc, model, optimizer, scheduler, loss_fn, stats, train_loader, test_loader, config, per_step,
+                      report.epoch, resume, held, out.via if out is not None else None)
+    except SavedAndStopped as e:  # handed back as a value: a spawned rank's exception would read as its failure
+        return Halted(e.signum)
     summary = summarize(mc, model, history, config, train_loader.local_batch_size, time.perf_counter() - begin)
     # what this process held at the first step: under fsdp its shards, elsewhere the whole model
     summary.update(model=name, restarts=restarts, resumed_from=str(resume) if resume else None,

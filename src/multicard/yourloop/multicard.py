@@ -7,7 +7,7 @@ torchrun), join the process group (here, on first use), wrap the model (`mc.setu
 The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
 spawned processes; prepared.py: the set-up model; precision.py; ranks.py and collectives.py: parts and
 collectives; steps.py: backward, clipping, no_backward_sync; checkpoints/save_load.py: save and load;
-loggers.py; memory.py).
+stopping.py: stop_requested, a stop signal every rank agrees on; loggers.py; memory.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher, progress
 from ..jobs.dist import job_from_env
+from ..jobs.outcome import STOP_GRACE_S, checked_grace
 from ..strategies import Strategy, syncbn
 from . import alike, closure, determinism, memory, owners
 from .loggers import make_loggers
@@ -35,9 +36,10 @@ from .processes import launched, make_strategy
 from .ranks import Ranks
 from .replicas import ReplicaCheck, Replicas
 from .steps import Steps
+from .stopping import Stopping, Stops
 
 
-class Multicard(Ranks, Checkpoints, Replicas, Steps):
+class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -85,6 +87,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
         self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
         self.loggers: list = make_loggers(loggers, log_dir)
         self._replicas = ReplicaCheck(strategy, replica_check, replica_check_every)
+        self._stops = Stops()  # SIGTERM / SIGUSR1 recorded once mc.stop_requested is first read (stopping.py)
 
     # -- the job ---------------------------------------------------------------------------------------------
     @property
@@ -139,11 +142,14 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
         not split is one clear error naming `what`."""
         return self._strategy.local_batch(global_batch, what, accumulate=accumulate)
 
-    def launch(self, fn: Callable, *args: Any) -> Any:
+    def launch(self, fn: Callable, *args: Any, stop_grace: float = STOP_GRACE_S) -> Any:
         """fn(mc, *args) in every process the strategy needs: spawned here (the first failure stops all, with that
         rank's traceback), or right here in a job this process already belongs to. Returns what
         fn returned on rank 0. Every process tears down its process group when fn returns. A module passed in
-        `args` arrives in each spawned process as a copy of its own."""
+        `args` arrives in each spawned process as a copy of its own. A signal that stops the job (SIGTERM,
+        SIGINT, SIGHUP here) reaches every rank, which gets `stop_grace` seconds to act on it before SIGKILL;
+        SIGUSR1 and SIGUSR2 are passed on to every rank."""
+        stop_grace = checked_grace(stop_grace, f"stop_grace={stop_grace!r}")
         if self.job.launched or self._strategy.processes == 1:
             self._start()
             try:
@@ -156,7 +162,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
         named = (("fn", fn), *((f"argument {i}", a) for i, a in enumerate(args, 1)), ("loggers", self.loggers))
         return launcher.spawn(launched, self._strategy.processes, (type(self), self._strategy, self.precision,
                                                                       self.sync_batchnorm, fn, args, self.loggers,
-                                                                      self._replicas.settings), named=named)
+                                                                      self._replicas.settings), named=named,
+                              stop_grace=stop_grace)
 
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:
@@ -185,6 +192,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
             self._replicas.close()
             owners.closed(self._replicas)
             self._strategy.stop()
+        self._stops.restore()  # SIGTERM and SIGUSR1 as they were before the first mc.stop_requested
         self._state = "closed"
 
     def __enter__(self) -> Multicard:
@@ -298,7 +306,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps):
 
 
 def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "auto", precision: str = "fp32",
-           **options: Any) -> Any:
-    """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...)."""
-    return Multicard(strategy, devices, precision, **options).launch(fn, *args)
+           stop_grace: float = STOP_GRACE_S, **options: Any) -> Any:
+    """fn(mc, *args) in every process of the job: Multicard(strategy, devices, precision, **options).launch(...);
+    `stop_grace`: the seconds each rank gets to act on a stop signal (a save) before SIGKILL."""
+    return Multicard(strategy, devices, precision, **options).launch(fn, *args, stop_grace=stop_grace)
 
