@@ -472,6 +472,14 @@ def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
 
 
 # -- issue 48: a rank lives as your script would -------------------------------------------------------------------
+PLAIN_OR_LAUNCHED = """
+
+if __name__ == "__main__":  # job(mc, folder): as a plain script would run it, or launched on 2 processes
+    if sys.argv[2] == "plain":
+        job(None, sys.argv[1])
+    else:
+        multicard.launch(job, sys.argv[1], strategy="ddp", devices="cpu:2")
+"""
 FORKS = """
 import multiprocessing, os, sys, threading, time
 import torch
@@ -517,14 +525,7 @@ def job(mc, where):
     started[0].join()
     with open(f"{where}/served-{rank}", "w") as f:
         f.write(str(len(served)))
-
-
-if __name__ == "__main__":
-    if sys.argv[2] == "plain":
-        job(None, sys.argv[1])
-    else:
-        multicard.launch(job, sys.argv[1], strategy="ddp", devices="cpu:2")
-"""
+""" + PLAIN_OR_LAUNCHED
 
 
 @pytest.mark.parametrize("how", ["plain", "launch"])

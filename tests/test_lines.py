@@ -31,7 +31,7 @@ from conftest import HUNG_S, run_cli
 from multicard.errors import UsageError
 from multicard.jobs import jobdir, progress, shipping, spawned, streams
 from multicard.trainer.config import TrainConfig
-from test_faults import clean_env, dispositions
+from test_faults import PLAIN_OR_LAUNCHED, clean_env, dispositions
 from test_hostile7 import left
 
 CATCH = """
@@ -320,14 +320,7 @@ def job(mc, where):
     scratch = tempfile.NamedTemporaryFile(dir=where, prefix=f"scratch-{rank}-")
     scratch.write(b"scratch")
     KEPT.update(log=log, archive=archive, scratch=scratch)
-
-
-if __name__ == "__main__":
-    if sys.argv[2] == "plain":
-        job(None, sys.argv[1])
-    else:
-        multicard.launch(job, sys.argv[1], strategy="ddp", devices="cpu:2")
-"""
+""" + PLAIN_OR_LAUNCHED
 
 
 @pytest.mark.parametrize("how", ["plain", "launch"])

@@ -74,15 +74,18 @@ def check_out(fd: int, out: Path, folders: list[str]) -> None:
 
 
 def check_before_reading(out: str | Path, folders: list[str]) -> None:
-    """What check_out and check_folder say of --out and its checkpoints folder, said by their paths before
-    anything in --out is read (--resume): a checkpoint planted in a stranger's --out is never opened."""
+    """What Output checks of --out and of its checkpoints folder (check_above, check_out, check_folder), where they
+    are there already, before anything in --out is read (--resume): a checkpoint planted in a stranger's --out is
+    never opened."""
     out = Path(out)
     check_above(out, folders)
-    if os.path.isdir(out) and not covers(os.path.realpath(out), folders):
-        guard(os.stat(out), f"--out {out}", out, way_out(os.path.realpath(out)))
-    checkpoints = out / "checkpoints"
-    if safefs.is_folder(checkpoints) and not covers(os.path.realpath(checkpoints), folders):
-        guard(os.lstat(checkpoints), f"--out {out}: checkpoints", checkpoints, way_out(checkpoints))
+    if not os.path.isdir(out):
+        return
+    with safefs.Folder.open(out, f"--out {out}") as held:
+        check_out(held.fd, out, folders)
+    if safefs.is_folder(out / "checkpoints"):
+        with safefs.Folder.open(out / "checkpoints", f"--out {out}: checkpoints") as held:
+            check_folder(held.fd, f"--out {out}: checkpoints", out / "checkpoints", folders)
 
 
 def check_folder(fd: int, what: str, path: Path, folders: list[str]) -> None:
