@@ -151,7 +151,7 @@ def stop(processes: list, signum: int = signal.SIGTERM, grace_s: float = FAILED_
     deadline = time.monotonic() + grace_s
     for p in alive:
         _wait(p, deadline - time.monotonic())
-    for p in processes if groups else alive:
+    for p in processes:
         if groups:
             to_group(p.pid, signal.SIGKILL)
         elif _running(p):
