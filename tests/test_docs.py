@@ -254,11 +254,9 @@ HARNESS = f"""import re, sys
 sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
 import multicard
 from test_docs import PYTHON, fragment_names
-from test_seams import fresh
 
 for where, text in PYTHON:
     if where in sys.argv[1:]:
-        fresh()  # each block is a script of its own: its first training forward is looked at too
         whole = re.search(r"^import ", text, re.M)
         names = {{"__name__": "__main__"}} if whole else fragment_names(multicard.Multicard())
         exec(compile(text, where, "exec"), names)

@@ -34,12 +34,12 @@ def test_batchnorm_left_per_process_is_one_line_on_rank_0_once(tmp_path, sync):
         assert "Multicard(sync_batchnorm=True)" in said[0] and "--sync-bn" in said[0]
 
 
-def test_one_process_or_a_model_without_batchnorm_says_nothing(capsys, monkeypatch):
-    monkeypatch.setattr(syncbn, "_SAID", [])
+def test_one_process_or_a_model_without_batchnorm_says_nothing(capsys):
     mc = multicard.Multicard("single", "cpu")
     mc.setup(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
-    syncbn.say_unsynced(nn.Sequential(nn.Linear(4, 4), nn.Dropout()), 2, True)
-    syncbn.say_unsynced(nn.BatchNorm1d(4), 2, False)  # not rank 0
+    said = set()  # what the job said once
+    syncbn.say_unsynced(nn.Sequential(nn.Linear(4, 4), nn.Dropout()), 2, True, said)
+    syncbn.say_unsynced(nn.BatchNorm1d(4), 2, False, said)  # not rank 0
     assert "BatchNorm" not in capsys.readouterr().err
-    syncbn.say_unsynced(nn.BatchNorm1d(4), 3, True)
+    syncbn.say_unsynced(nn.BatchNorm1d(4), 3, True, said)
     assert "BatchNorm1d has 1 BatchNorm layer and trains on 3 processes" in capsys.readouterr().err

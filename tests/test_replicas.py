@@ -347,7 +347,7 @@ def test_one_process_has_nothing_to_compare_and_pays_nothing():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     plain = optimizer.step
     mc.setup_optimizers(optimizer)
-    assert optimizer.step == plain and mc._replicas.hook is None  # no wrapper, no hook: no cost
+    assert optimizer.step == plain and mc._job_state._hook is None  # no wrapper, no hook: no cost
     assert mc.check_replicas() is True
     assert (replicas.MODES, replicas.EVERY) == (config.REPLICA_CHECKS, config.REPLICA_CHECK_EVERY)
 
@@ -413,7 +413,7 @@ def test_between_checks_nothing_waits_for_the_device(device):
     assert fingerprint(w.to(device)) == fingerprint(w)
     check = replicas.ReplicaCheck(Agreeing(Devices(device, (0,))), "stop", 4)
     model = Tiny().to(device)
-    check.set_up(model, "Tiny", list(model.parameters()))
+    check.set_up(model, "Tiny")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     check.watch(optimizer)
     x = X.to(device)

@@ -26,7 +26,7 @@ import multicard
 from conftest import ROOT
 from multicard.checkpoints import plain as checkpoint
 from multicard.errors import UsageError
-from multicard.yourloop import alike
+from multicard.yourloop.alike import Inputs
 from multicard.yourloop.multicard import Multicard
 
 G = torch.Generator().manual_seed(0)
@@ -35,9 +35,11 @@ SEAMS = ("first training batch is the same", "mc.local (call", "that no set-up m
          "no other rank saved it along", "rank 0 wrote it before")  # the lines of this file's checks
 
 
-def fresh() -> None:
-    """Each case below is a script of its own: its first training forward is the process's first again."""
-    alike._state.update(first=True, dealt=False, cuts=0, warned=False)
+def fresh(mc: Multicard) -> None:
+    """Each case below is a script of its own: its first training forward is the job's first again."""
+    job = mc._job_state
+    job.inputs = Inputs(job)
+    job.warned.clear()
 
 
 def outcome(fn) -> tuple[str | None, str]:
@@ -132,7 +134,7 @@ def silent_cases(mc: Multicard) -> dict[str, tuple[str | None, str]]:
     found = {}
     for name, case in [("loader", loader), ("local", local), ("own_sharding", own_sharding),
                        ("evaluation", evaluation), ("own_ddp", own_ddp)]:
-        fresh()
+        fresh(mc)
         found[name] = outcome(case)
     return found
 
@@ -146,6 +148,7 @@ def temperature_case(mc: Multicard) -> dict:
     loop(model, optimizer, mc.setup_dataloader(batches()), t)
     alone_t = nn.Parameter(torch.ones(()))
     alone, alone_optimizer = model_and_optimizer(extra=[alone_t])
+    mc.local_optimizer(alone_optimizer)  # this process's own: the replay is neither averaged nor judged
     loop(alone, alone_optimizer, batches(), alone_t)  # one process over the same global batches
     found = {"gap": max(abs(t.item() - alone_t.item()), (model.weight - alone.weight).abs().max().item()),
              "t": mc.gather(t.item())}
@@ -176,22 +179,22 @@ def drawn_case(mc: Multicard, apart_from: int = 1, calls: int = 6) -> None:
 
 def items_job(mc: Multicard) -> dict:
     found = {}
-    fresh()
+    fresh(mc)
     found["unset"] = outcome(lambda: unset_case(mc))
     found["outside"] = outcome(lambda: outside_case(mc))
     found["unset_off"] = in_mode(mc, "off", unset_case)
     found["unset_warn"] = in_mode(mc, "warn", lambda second: [unset_case(second), unset_case(second)])
-    fresh()
+    fresh(mc)
     found["every_batch"] = outcome(lambda: every_batch_case(mc))
     found["silent"] = silent_cases(mc)
-    fresh()
+    fresh(mc)
     found["temperature"] = temperature_case(mc)
-    fresh()
+    fresh(mc)
     found["unseeded"] = outcome(lambda: drawn_case(mc))
-    fresh()
+    fresh(mc)
     found["parted_later"] = in_mode(mc, "stop", lambda second: drawn_case(second, apart_from=3),
                                     replica_check_every=2)
-    fresh()
+    fresh(mc)
     found["unseeded_warn"] = in_mode(mc, "warn", drawn_case)
     return found
 
@@ -216,7 +219,7 @@ def test_the_seams_of_a_loop_are_one_line_each_and_correct_loops_stay_silent(wor
     fix = (f", and this optimizer was not set up: nothing averages their gradients, so the {world} processes train "
            f"apart; set them up, model, optimizer = mc.setup(model, optimizer) (for an optimizer built after setup, "
            f"mc.setup_optimizers(optimizer)); where each process should train its own, "
-           f"Multicard(replica_check='off')")
+           f"mc.local_optimizer(optimizer)")
     assert found["unset"] == ("SGD.step() changes 2 parameters (5 values) that no set-up model holds" + fix, "")
     assert found["outside"] == ("SGD.step() changes 1 parameter (1 value) that no set-up model holds" + fix, "")
     assert found["unset_off"] == (None, "")

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 import multicard
 from conftest import run_cli
-from multicard.data import uneven
 from multicard.data.keyed import Seeded
 from multicard.data.loaders import shard
 from multicard.errors import UsageError
@@ -142,7 +141,7 @@ def steps_job(mc: Multicard, workers: int) -> list[dict]:
                                             generator=torch.Generator().manual_seed(2), **forked), seed_per_sample=True)
     out["subset"] = passes(loader)
     # after a pass whose last step was uneven: a batch this process makes itself is weighted by nothing
-    out["after_pass"] = uneven.current()
+    out["after_pass"] = mc._job_state.share.weight
     # a model that returns a dataclass, on an uneven cut
     model = mc.setup(Recorded())
     mc.backward(model(mc.local(torch.arange(3.0).view(3, 1))).value.mean())
@@ -285,8 +284,8 @@ def test_multicard_run_sets_omp_num_threads_for_each_rank(tmp_path, monkeypatch,
 
 
 def test_a_batch_with_fewer_rows_than_processes_is_one_error_not_a_nan_step():
-    from multicard.data import uneven
+    from multicard.data.uneven import Share
 
     with pytest.raises(UsageError, match="a batch of 1 row over 2 processes leaves some process none"):
-        uneven.local(torch.zeros(1, 3), 1, 2)
-    assert uneven.local(torch.arange(4.0).view(2, 2), 1, 2).tolist() == [[2.0, 3.0]]  # one row each is fine
+        Share().local(torch.zeros(1, 3), 1, 2)
+    assert Share().local(torch.arange(4.0).view(2, 2), 1, 2).tolist() == [[2.0, 3.0]]  # one row each is fine

@@ -6,7 +6,6 @@ back. The Multicard (yourloop/) and the trainer (trainer/) call these; nothing h
 - sums.py: each file's checksums, recorded at save and checked at load: damage is named, never unpickled.
 - shards.py: fsdp's sharded folders (torch.distributed.checkpoint), each rank its part, written through folders
   held open; shards_read.py: read back through an allow-list (nothing a planted file holds runs).
-- save_load.py: a user's loop's mc.save / mc.load / mc.state_dict (the Multicard's Checkpoints methods).
 - randoms.py: every rank's random streams into the one file of an mc.save; no save on any rank dropped.
 - resume.py: the trainer's checkpoints in --out/checkpoints, read: which are whole, whose, which --resume names.
 - saves.py: the trainer's checkpoints written: claimed for a run, made whole, pruned, nothing deleted that is not

@@ -21,6 +21,7 @@ from . import sums
 FULL = (errno.ENOSPC, errno.EDQUOT)  # a filesystem out of space, inodes or quota: a line, not a traceback
 # what torch's zip writer says when the file system refuses a write half-way (EFBIG under ulimit -f, ...)
 WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed", re.I)
+OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores (its save count, scaler, streams)
 PREFIXES = ("module.", "_orig_mod.")  # what (Distributed)DataParallel and torch.compile put before every key
 
 

@@ -43,7 +43,7 @@ def _store():
 
 
 class Handover:
-    """What this process knows of its saves to each name (kept on the Multicard)."""
+    """What this process knows of its saves to each name (kept by the job's state, yourloop/job_state.py)."""
 
     def __init__(self):
         self.at: dict[str, tuple[int, int]] = {}  # name: (optimizer steps, saves of it since them)
@@ -74,18 +74,19 @@ class Handover:
         self.late = max(self.late, self.waited.get(name, 0.0))
 
 
-def handed(mc: Any, path: Path, streams: dict[str, Any] | None) -> tuple[bool, dict[int, Any]]:
+def handed(strategy: Any, handover: Handover, steps: int, path: Path,
+           streams: dict[str, Any] | None) -> tuple[bool, dict[int, Any]]:
     """Whether this process writes `path`, and on rank 0 {rank: its streams at this save} of the other ranks that
-    handed theirs over. `streams`: this process's, or None for a plain state_dict (nothing to hand over, but the
-    file is written by rank 0 where it saves too, else by this rank)."""
-    if mc.world_size == 1:
+    handed theirs over. `handover`: this process's, for the job; `steps`: the job's optimizer steps so far.
+    `streams`: this process's, or None for a plain state_dict (nothing to hand over, but the file is written by
+    rank 0 where it saves too, else by this rank)."""
+    if strategy.world == 1:
         return True, {}
-    handover = mc.__dict__.setdefault("_handover", Handover())
-    name, most = str(path), mc._strategy.timeout_s / 2
-    moment = handover.moment(name, mc._optimizer_steps())
-    if mc.is_main:
-        return True, _collect(_store(), handover, name, moment, mc.world_size, streams is not None, most)
-    return _hand(_store(), handover, name, moment, mc.rank, streams, most), {}
+    name, most = str(path), strategy.timeout_s / 2
+    moment = handover.moment(name, steps)
+    if strategy.is_main:
+        return True, _collect(_store(), handover, name, moment, strategy.world, streams is not None, most)
+    return _hand(_store(), handover, name, moment, strategy.rank, streams, most), {}
 
 
 def _collect(store: Any, handover: Handover, name: str, moment: str, world: int, said: bool,

@@ -28,7 +28,7 @@ import torch
 from .. import safefs
 from ..errors import UsageError
 from . import shards, sums
-from .save_load import OWN
+from .plain import OWN
 
 FOLDER = "checkpoints"
 OWNER = "run.json"

@@ -24,12 +24,13 @@ from ..errors import UsageError, note
 from ..jobs import lifeline
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
-from . import uneven, watch
 from .images import ImageData
 from .keyed import Keyed, Seeded, per_sample, seeded, the_seed
 from .order import Agree, Chunks, GlobalOrder, Permutation, ShardSampler, base_seed
 from .parts import empty
 from .pipelines import Split, read_whole
+from .uneven import Share, loader_weight
+from .watch import Habits
 
 # what a DataLoader was built with, besides its dataset, batch and sampler: carried over unchanged
 KEPT = [name for name in ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -74,8 +75,10 @@ class Sharded:
     or, for a loader read whole, its batches; the generators as the pass began), so a checkpoint taken after any
     optimizer step resumes with the next batch, on any number of processes that split the same global batch."""
 
-    def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1):
+    def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1,
+                 weights: Share | None = None, habits: Habits | None = None):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
+        self.weights, self.habits = weights or Share(), habits or Habits()  # the job's (yourloop/job_state.py)
         self.step_ends, self.share = True, 1.0
         self.skip = 0  # samples of the next pass's order to leave out (set by load_state_dict)
         self.place: tuple[int, int] | None = None  # (epoch, samples served) while a pass is under way
@@ -180,23 +183,23 @@ class Sharded:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             if ordered:  # this process's rows of a short last step, weighted as one process weighs them
-                uneven.record(*uneven.loader_weight(order.size, order.total, order.batch, k, order.rank, order.world,
-                                                    skip // g + i, self.share))
+                self.weights.record(*loader_weight(order.size, order.total, order.batch, k, order.rank, order.world,
+                                                   skip // g + i, self.share))
             elif not split:  # a batch of its own: no earlier split's weight goes on to it
-                uneven.record(1.0)
+                self.weights.record(1.0)
             self.place = (epoch, skip + (i + 1 - drop) * g)
             progress()  # for the launcher: this process is not stuck (it names a rank that stops, if one does)
-            if skip and served == 1 and watch.forwards() == forwards and self._rank == 0:  # the first batch of a
-                watch.skipped_twice(epoch, skip, self.counts)  # resumed pass was passed over: the script skips too
-            served, forwards = served + 1, watch.forwards()
+            if skip and served == 1 and self.habits.forwards == forwards and self._rank == 0:  # the first batch of
+                self.habits.skipped_twice(epoch, skip, self.counts)  # a resumed pass passed over: the script skips too
+            served, forwards = served + 1, self.habits.forwards
             yield batch if there else to_device(batch, self.device)
         for i in range(served, len(self)) if isinstance(order, ShardSampler) else ():
-            watch.served_empty(order.why_empty(i))  # what the script's error on it is read as
+            self.habits.served_empty(order.why_empty(i))  # what the script's error on it is read as
             yield self._empty(batch)  # evaluation: as many batches in every process, this one out of rows
-        watch.served_empty(None)
+        self.habits.served_empty(None)
         if ordered:
             order.start = 0
-        uneven.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
+        self.weights.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
         self.place = None
 
     @property
@@ -238,8 +241,12 @@ class Sharded:
 
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
           local_batch: Callable[..., int], agree: Agree | None = None, global_batch: bool = True,
-          device_data: bool | str | None = False, accumulate: int = 1, seed_per_sample: bool | int = False) -> Sharded:
-    """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules)."""
+          device_data: bool | str | None = False, accumulate: int = 1, seed_per_sample: bool | int = False,
+          weights: Share | None = None, habits: Habits | None = None) -> Sharded:
+    """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules). `weights`
+    and `habits`: the job's uneven.Share and watch.Habits, which the batches served are told to."""
+    weights, habits = weights or Share(), habits or Habits()
+    job = {"weights": weights, "habits": habits}
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
     if not isinstance(loader, DataLoader):
@@ -252,13 +259,14 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if isinstance(loader.sampler, DistributedSampler):  # sharded by the user already: not a second time
         if device_data is True:
             raise UsageError("device_data=True needs a TensorDataset without a DistributedSampler of its own")
-        return Sharded(loader, loader, device, accumulate)
+        return Sharded(loader, loader, device, accumulate, **job)
     if read_whole(loader):  # an iterable, a batch sampler, a sampler's own draws: every process reads it whole
         if device_data is True or accumulate > 1:
             raise UsageError(f"{'device_data=True' if device_data is True else 'accumulate'} needs a DataLoader that "
                              f"multicard deals out (batch_size over a map-style dataset, shuffle=True or False); "
                              f"accumulate in your loop (mc.no_backward_sync)")
-        return Sharded(Split(loader, rank, world if global_batch else 1, agree, every=not train), loader, device)
+        return Sharded(Split(loader, rank, world if global_batch else 1, agree, every=not train, **job), loader,
+                       device, **job)
     batch = loader.batch_size
     if not train:  # evaluation: any split is exact, so no batch size is refused
         local = -(-batch // world) if global_batch else batch
@@ -276,7 +284,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
         order = ShardSampler(len(dataset), rank, world, draws, local)
     if global_batch:  # a shape by the DataLoader's batch_size (the global batch) is told in one line
-        watch.dealt(batch, local)
+        habits.dealt(batch, local)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate and \
         seed_per_sample is False
     if device_data in (None, "auto"):
@@ -286,7 +294,8 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if device_data and not whole_batches:
         raise UsageError("device_data=True needs a TensorDataset, the default collate_fn and no seed_per_sample")
     if whole_batches and (device_data or loader.num_workers == 0):
-        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate)
+        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate,
+                       **job)
     kept = {name: getattr(loader, name) for name in KEPT}
     kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn, torch.are_deterministic_algorithms_enabled())
     indices = Keyed(order) if seed_per_sample is not False else order  # Keyed: each index goes with its epoch
@@ -296,7 +305,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     else:  # seed_per_sample: the dataset seeds the draws from the epoch and index
         keyed = Seeded(dataset, the_seed(seed_per_sample, agree)) if seed_per_sample is not False else dataset
         inner = DataLoader(keyed, batch_sampler=batches, collate_fn=loader.collate_fn, **kept)
-    return Sharded(inner, loader, device, accumulate)
+    return Sharded(inner, loader, device, accumulate, **job)
 
 
 def on_card(tensors: Iterable[torch.Tensor], device: torch.device, free: int | None = None) -> tuple[bool, str]:

@@ -21,9 +21,10 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ..errors import UsageError
 from ..jobs.progress import pass_ended, read_batch
 from ..jobs.trees import values
-from . import uneven, watch
 from .order import Agree, same_everywhere
 from .parts import part, samples
+from .uneven import Share
+from .watch import Habits
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:
@@ -52,7 +53,8 @@ class Split:
     """The user's loader, whole; each batch cut to this process's part (world 1: the batches as they come).
     `every`: evaluation, where a batch with fewer rows than processes is kept (empty parts) and nothing weighted."""
 
-    def __init__(self, loader: DataLoader, rank: int, world: int, agree: Agree | None = None, every: bool = False):
+    def __init__(self, loader: DataLoader, rank: int, world: int, agree: Agree | None = None, every: bool = False,
+                 weights: Share | None = None, habits: Habits | None = None):
         batches = isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is not None or \
             isinstance(loader.sampler, BatchSampler)
         if not batches:
@@ -61,6 +63,7 @@ class Split:
                              f"batches of indices as batch_sampler=")
         self.loader, self.rank, self.world, self.agree, self.every = loader, rank, world, agree, every
         self.sampler, self.batch_size = loader.sampler, None
+        self.weights, self.habits = weights or Share(), habits or Habits()  # the job's (yourloop/job_state.py)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -72,7 +75,7 @@ class Split:
         for i, batch in enumerate(batches):
             if self.world == 1:
                 read_batch()
-                uneven.record(1.0)  # a new batch: no earlier split's weight goes on to it
+                self.weights.record(1.0)  # a new batch: no earlier split's weight goes on to it
                 yield batch
                 continue
             size = samples(batch)
@@ -83,8 +86,8 @@ class Split:
                 self._check(batch, size)
             if self.every:
                 read_batch()  # counted for the launcher: a rank given more batches than another is named with both
-                uneven.record(1.0)
-                watch.served_empty(None if size > self.rank else (
+                self.weights.record(1.0)
+                self.habits.served_empty(None if size > self.rank else (
                     f"rank {self.rank}'s evaluation batch {i + 1} has no rows (the loader's batch holds {size}, "
                     f"fewer than the {self.world} processes, row t going to process t % {self.world})",
                     f"a loader whose batches hold {self.world} rows or more (drop_last=True leaves a short last one "
@@ -92,9 +95,9 @@ class Split:
                 yield part(batch, self.rank, self.world)
             elif size >= self.world:  # its part, weighted by its rows (uneven.py)
                 read_batch()
-                yield uneven.local(batch, self.rank, self.world)
-        uneven.record(1.0)  # the pass is over: what follows is not weighted by its last batch
-        watch.served_empty(None)
+                yield self.weights.local(batch, self.rank, self.world, habits=self.habits)
+        self.weights.record(1.0)  # the pass is over: what follows is not weighted by its last batch
+        self.habits.served_empty(None)
         pass_ended()
 
     def _check(self, batch: Any, size: int) -> None:

@@ -18,7 +18,7 @@ know the global batch: nothing is recorded.
 
 A loss summed over the rows (mc.backward(loss, reduction="sum")) wants no weight by rows: one process's gradient
 is the sum over all rows, so each process's is multiplied by N (DDP averages), which is N / weight on top of the
-weight its forward applied (`applied()`).
+weight its forward applied (`Share.applied`). A job holds one Share (yourloop/job_state.py).
 """
 
 from __future__ import annotations
@@ -29,51 +29,65 @@ import torch
 
 from ..errors import UsageError
 from ..jobs.trees import leaves, rebuild, values
-from . import watch
 from .parts import part, samples
 
-_cut: list = [1.0, None, 0]  # the last split: this process's weight, its rows of it, and the dim they lie along
-_applied = [1.0]  # the weight the last forward with gradients applied
 
+class Share:
+    """This process's share of the last split a job made: the weight of its gradient for the forwards on its rows
+    (1 where the rows split evenly), the rows, the dim they lie along, and the weight the last forward with
+    gradients applied. One per job in a process (the job's state holds it), handed to what splits and forwards."""
 
-def record(weight: float, rows: int | None = None, dim: int = 0) -> None:
-    """The weight of this process's gradient for the forwards on its `rows` (along `dim`) of the split just made."""
-    _cut[:] = float(weight), rows, dim
+    def __init__(self) -> None:
+        self.weight, self.rows, self.dim, self.applied = 1.0, None, 0, 1.0
 
+    def record(self, weight: float, rows: int | None = None, dim: int = 0) -> None:
+        """The weight of this process's gradient for the forwards on its `rows` (along `dim`) of the split just
+        made."""
+        self.weight, self.rows, self.dim = float(weight), rows, dim
 
-def current() -> float:
-    return _cut[0]
+    def local(self, batch: Any, rank: int, world: int, dim: int = 0, habits: Any = None) -> Any:
+        """mc.local: rank's rows of a global batch (dealt as the loader deals), its weight N*k/n recorded
+        (`habits`: watch.Habits, told the rows this process holds of the global batch)."""
+        rows = samples(batch, dim)
+        if rows is not None and rows < world:  # a process with no rows: its mean loss is NaN, and so is the average
+            raise UsageError(f"mc.local: a batch of {rows} row{'s' * (rows != 1)} over {world} processes leaves some "
+                             f"process none (its loss would be NaN, and the averaged gradient with it); skip such a "
+                             f"batch, or give it at least {world} rows")
+        if rows:
+            mine = len(range(rank, rows, world))
+            self.record(world * mine / rows, mine, dim)
+            if habits is not None:
+                habits.dealt(rows, mine)
+        return part(batch, rank, world, dim)
 
-
-def applied() -> float:
-    return _applied[0]
-
-
-def local(batch: Any, rank: int, world: int, dim: int = 0) -> Any:
-    """mc.local: rank's rows of a global batch (dealt as the loader deals), its weight N*k/n recorded."""
-    rows = samples(batch, dim)
-    if rows is not None and rows < world:  # a process with no rows: its mean loss is NaN, and so is the average
-        raise UsageError(f"mc.local: a batch of {rows} row{'s' * (rows != 1)} over {world} processes leaves some "
-                         f"process none (its loss would be NaN, and the averaged gradient with it); skip such a "
-                         f"batch, or give it at least {world} rows")
-    if rows:
-        mine = len(range(rank, rows, world))
-        record(world * mine / rows, mine, dim)
-        watch.dealt(rows, mine)
-    return part(batch, rank, world, dim)
-
-
-def claim(inputs: Any) -> float:
-    """The weight of a forward on `inputs` (its arguments): the split's, where some input tensor holds this
-    process's rows of it (or no input is a tensor); else 1, and the split's weight ends there."""
-    weight, rows, dim = _cut
-    if weight == 1 or rows is None:
+    def claim(self, inputs: Any) -> float:
+        """The weight of a forward on `inputs` (its arguments): the split's, where some input tensor holds this
+        process's rows of it (or no input is a tensor); else 1, and the split's weight ends there."""
+        weight, rows, dim = self.weight, self.rows, self.dim
+        if weight == 1 or rows is None:
+            return weight
+        sizes = [t.size(dim) for t in values(inputs) if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()]
+        if sizes and rows not in sizes:
+            self.record(1.0)
+            return 1.0
         return weight
-    sizes = [t.size(dim) for t in values(inputs) if isinstance(t, torch.Tensor) and -t.dim() <= dim < t.dim()]
-    if sizes and rows not in sizes:
-        record(1.0)
-        return 1.0
-    return weight
+
+    def weigh(self, out: Any, weight: float) -> Any:
+        """The set-up model's outputs, their gradients multiplied by `weight` (1: `out` as it is)."""
+        self.applied = weight
+        if weight == 1:
+            return out
+        found = list(leaves(out))
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in found):
+            other = next((type(t).__name__ for _, t in found if not isinstance(t, (torch.Tensor, int, float, str))
+                          and t is not None), None)
+            if other is not None:
+                raise UsageError(f"this process holds an uneven share of the batch's rows (weight {weight:.4g}), "
+                                 f"which multicard weights through the model's outputs, but the model returns a "
+                                 f"{other}: return tensors (or dicts, lists, tuples of them)")
+            return out
+        return rebuild(out, (_Scaled.apply(t, weight) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                             for _, t in found))
 
 
 def loader_weight(size: int, total: int, batch: int, accumulate: int, rank: int, world: int, micro: int,
@@ -106,20 +120,3 @@ class _Scaled(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.weight, None
 
-
-def weigh(out: Any, weight: float) -> Any:
-    """The set-up model's outputs, their gradients multiplied by `weight` (1: `out` as it is)."""
-    _applied[0] = weight
-    if weight == 1:
-        return out
-    found = list(leaves(out))
-    if not any(isinstance(t, torch.Tensor) and t.requires_grad for _, t in found):
-        other = next((type(t).__name__ for _, t in found if not isinstance(t, (torch.Tensor, int, float, str))
-                      and t is not None), None)
-        if other is not None:
-            raise UsageError(f"this process holds an uneven share of the batch's rows (weight {weight:.4g}), which "
-                             f"multicard weights through the model's outputs, but the model returns a {other}: "
-                             f"return tensors (or dicts, lists, tuples of them)")
-        return out
-    return rebuild(out, (_Scaled.apply(t, weight) if isinstance(t, torch.Tensor) and t.requires_grad else t
-                         for _, t in found))

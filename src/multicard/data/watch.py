@@ -14,94 +14,71 @@ would part N processes from one:
 from __future__ import annotations
 
 import re
-import sys
-from typing import Any
 
 from ..errors import UsageError, note
-from ..jobs.progress import explain_with
-
-_forwards = [0]  # forwards of a set-up model in this process
-_batches: dict[int, int] = {}  # global batch -> this process's rows of it, where they differ
-_told: set[str] = set()  # what was said already (once per process)
-_hooked: list = []  # the excepthook found when ours went in
-_empty: list = [None]  # why the evaluation batch now served has no rows, and what gives it some; else None
 
 
-def forwarded() -> None:
-    """A set-up model ran its forward (a loop between two batches, not a skip)."""
-    _forwards[0] += 1
+class Habits:
+    """What one job in this process saw of the script's habits (the job's state holds it): forwards of a set-up
+    model, the global batches this process holds fewer rows of, what was said once, and why the evaluation batch
+    now served has no rows (with what gives it some), or None."""
 
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.batches: dict[int, int] = {}  # global batch -> this process's rows of it, where they differ
+        self.told: set[str] = set()
+        self.empty: tuple[str, str] | None = None
 
-def forwards() -> int:
-    return _forwards[0]
+    def forwarded(self) -> None:
+        """A set-up model ran its forward (a loop between two batches, not a skip)."""
+        self.forwards += 1
 
-
-def skipped_twice(epoch: int, served: int, counts: str) -> None:
-    """Said once, on stderr: a resumed pass's first two batches were pulled with no forward between them."""
-    if "skip" in _told:
-        return
-    _told.add("skip")
-    note(f"this loader was put back at its place by mc.load ({served} {counts} into epoch {epoch + 1}) "
-         f"and its first batches are passed over with no forward of the set-up model: if the script skips the "
-         f"batches it had served itself (islice, skip_first_batches, `if i < start: continue`), drop that skip, "
-         f"or they are skipped twice")
-
-
-def dealt(global_batch: int | None, mine: int) -> None:
-    """This process holds `mine` rows of each global batch of `global_batch` (a set-up loader, mc.local)."""
-    if global_batch is not None and 0 < mine < global_batch and global_batch not in _batches:
-        _batches[global_batch] = mine
-        _hook_in()
-
-
-def _hook_in() -> None:
-    if not _hooked:  # a script's error that reaches the top gets its line too (torch's own hook, if any, after)
-        _hooked.append(sys.excepthook)
-        sys.excepthook = _hook
-
-
-def served_empty(why: tuple[str, str] | None) -> None:
-    """The batch being served has no rows (`why`: why, and what gives the rank some), or (None) one has rows
-    again. An error while it is out is read as caused by it."""
-    _empty[0] = why
-    if why is not None:
-        explain_with(emptied)
-        _hook_in()
-
-
-def emptied(error: BaseException) -> UsageError | None:
-    """The one line for an error raised while this process holds an evaluation batch with no rows."""
-    if _empty[0] is None or not isinstance(error, (RuntimeError, ValueError, IndexError)):
-        return None
-    why, fix = _empty[0]
-    return UsageError(f"{why}, and the code that took it failed ({str(error).strip().splitlines()[0]}): let it take "
-                      f"an empty batch (x.flatten(1), not x.reshape(len(x), -1); skip what cannot, such as "
-                      f"pack_padded_sequence, when len(x) == 0, still calling every collective), or {fix}")
-
-
-def explain(error: BaseException) -> None:
-    """Add one line to a shape error that names a global batch next to a smaller size this process holds (or to
-    an invalid view's shape): which number is the global batch, and what to shape by. An error on an evaluation
-    batch with no rows is raised as one line instead."""
-    said = emptied(error)
-    if said is not None:
-        raise said from None
-    if not isinstance(error, (RuntimeError, ValueError)) or not _batches or getattr(error, "_multicard_told", False):
-        return
-    text = str(error).split("\n")[0]
-    numbers = {int(n) for n in re.findall(r"\d+", text)}
-    for whole, mine in _batches.items():
-        if whole in numbers and (mine in numbers or "is invalid for input of size" in text):
-            error.add_note(f"multicard: {whole} is the global batch (the DataLoader's batch_size, split over the "
-                           f"processes): this process holds {mine} of its rows; shape by the rows a batch holds "
-                           f"(x.size(0)), or by mc.local_batch({whole})")
-            error._multicard_told = True
+    def skipped_twice(self, epoch: int, served: int, counts: str) -> None:
+        """Said once, on stderr: a resumed pass's first two batches were pulled with no forward between them."""
+        if "skip" in self.told:
             return
+        self.told.add("skip")
+        note(f"this loader was put back at its place by mc.load ({served} {counts} into epoch {epoch + 1}) "
+             f"and its first batches are passed over with no forward of the set-up model: if the script skips the "
+             f"batches it had served itself (islice, skip_first_batches, `if i < start: continue`), drop that skip, "
+             f"or they are skipped twice")
 
+    def dealt(self, global_batch: int | None, mine: int) -> None:
+        """This process holds `mine` rows of each global batch of `global_batch` (a set-up loader, mc.local)."""
+        if global_batch is not None and 0 < mine < global_batch:
+            self.batches.setdefault(global_batch, mine)
 
-def _hook(kind: type, error: BaseException, trace: Any) -> None:
-    said = emptied(error)
-    if said is not None:
-        kind, error, trace = type(said), said, None
-    explain(error)
-    _hooked[0](kind, error, trace)
+    def served_empty(self, why: tuple[str, str] | None) -> None:
+        """The batch being served has no rows (`why`: why, and what gives the rank some), or (None) one has rows
+        again. An error while it is out is read as caused by it."""
+        self.empty = why
+
+    def emptied(self, error: BaseException) -> UsageError | None:
+        """The one line for an error raised while this process holds an evaluation batch with no rows."""
+        if self.empty is None or not isinstance(error, (RuntimeError, ValueError, IndexError)):
+            return None
+        why, fix = self.empty
+        return UsageError(f"{why}, and the code that took it failed ({str(error).strip().splitlines()[0]}): let it "
+                          f"take an empty batch (x.flatten(1), not x.reshape(len(x), -1); skip what cannot, such as "
+                          f"pack_padded_sequence, when len(x) == 0, still calling every collective), or {fix}")
+
+    def explain(self, error: BaseException) -> UsageError | None:
+        """An error on an evaluation batch with no rows: its one line (returned). A shape error that names a
+        global batch next to a smaller size this process holds (or an invalid view's shape): one line added
+        under torch's message, saying which number is the global batch and what to shape by (None returned)."""
+        said = self.emptied(error)
+        if said is not None:
+            return said
+        if not isinstance(error, (RuntimeError, ValueError)) or not self.batches or \
+                getattr(error, "_multicard_told", False):
+            return None
+        text = str(error).split("\n")[0]
+        numbers = {int(n) for n in re.findall(r"\d+", text)}
+        for whole, mine in self.batches.items():
+            if whole in numbers and (mine in numbers or "is invalid for input of size" in text):
+                error.add_note(f"multicard: {whole} is the global batch (the DataLoader's batch_size, split over the "
+                               f"processes): this process holds {mine} of its rows; shape by the rows a batch holds "
+                               f"(x.size(0)), or by mc.local_batch({whole})")
+                error._multicard_told = True
+                return None
+        return None

@@ -12,7 +12,7 @@ import stat
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from ..errors import UsageError, note
 from . import closed, jobdir
@@ -34,7 +34,9 @@ TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how
 
 _slot: memoryview | list[float] | None = None
 _hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
-_explainers: list[Callable[[BaseException], BaseException | None]] = []  # the upper layers' one-line readings
+# the jobs open in this process (yourloop/job_state.py's JobState), newest last: module level, as the process's
+# excepthook and torch's step hooks (process-wide) must reach them; each reads an error in one line (`explain`)
+_open: list = []
 
 
 def progress() -> None:
@@ -74,17 +76,26 @@ def failed(error: BaseException) -> None:
         progress_slot()[2] = LOST_PEER
 
 
-def explain_with(fn: Callable[[BaseException], BaseException | None]) -> None:
-    """fn(error): a UsageError saying in one line why `error` (torch's) ended the rank, or None. Tried on every
-    error that ends a rank of a job our launcher started (a script's, or fn's under launch)."""
-    if fn not in _explainers:
-        _explainers.append(fn)
+def job_opened(job: object) -> None:
+    """A job joined in this process: job.explain(error), a UsageError saying in one line why `error` (torch's)
+    ends the process, or None, is tried on every error that ends it (a script's, or fn's under launch)."""
+    if not any(job is j for j in _open):
+        _open.append(job)
+
+
+def job_closed(job: object) -> None:
+    if any(job is j for j in _open):
+        _open.remove(job)
+
+
+def open_jobs() -> tuple:
+    return tuple(_open)
 
 
 def explained(error: BaseException) -> BaseException:
     """The one-line UsageError an explainer reads `error` as, or `error` itself."""
-    for fn in _explainers:
-        said = fn(error)
+    for job in reversed(_open):
+        said = job.explain(error)
         if said is not None:
             return said
     return error

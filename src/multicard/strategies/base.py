@@ -132,6 +132,10 @@ class Strategy:
     def forget(self, key: str) -> None:
         """This process's value under `key` is read by all: taken away."""
 
+    def new_key(self, prefix: str) -> str:
+        """A key of its own beside the job, for something made alike in every process (a replica check)."""
+        return f"{prefix}/0"
+
     def refresh(self, wrapper: nn.Module, model: nn.Module) -> nn.Module:
         """The wrapper to run the next forward: `wrapper`, or one built anew where it can no longer reduce what
         trains (ddp: parameters frozen or unfrozen since it was built)."""

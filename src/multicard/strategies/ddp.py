@@ -153,18 +153,23 @@ class DDP(Strategy):
         if self.world > 1:
             torch_dist.distributed_c10d._get_default_store().delete_key(f"multicard/{key}/{self.rank}")
 
+    def new_key(self, prefix: str) -> str:
+        _GROUP["keys"] += 1  # counted alike in every process of the group (each makes its checks in one order)
+        return f"{prefix}/{_GROUP['keys']}"
+
     def stop(self) -> None:
         gc.collect()  # DDP's reducer may sit in a reference cycle: free it while the group is still up
         if getattr(self, "in_group", False):
             self.in_group, _GROUP["users"] = False, _GROUP["users"] - 1
         if _GROUP["users"] == 0 and _GROUP["ours"]:  # the last Multicard on a group we joined: leave it
-            _GROUP["ours"] = False
+            _GROUP["ours"], _GROUP["keys"] = False, 0
             dist.teardown()
 
 
 # The process group is one per process: every Multicard in it shares the one joined first, and the last to close
-# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy).
-_GROUP = {"users": 0, "ours": False}
+# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy); "keys":
+# the keys its users took beside the job. Module level: the process group is the process's, not a job's.
+_GROUP = {"users": 0, "ours": False, "keys": 0}
 
 
 def _check_group(job: Job, devices: Devices) -> None:

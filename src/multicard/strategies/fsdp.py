@@ -28,7 +28,6 @@ REFUSED = {
     "Muon": "it orthogonalizes each process's rows of a matrix, not the whole matrix: N processes would not take "
             "one process's steps",
 }
-_guarded: list[bool] = []  # whether this process's optimizer steps are checked (refuse, at each step)
 
 
 class FSDP(DDP):
@@ -48,12 +47,7 @@ class FSDP(DDP):
         for block in units(model, self.blocks):  # innermost first, the root last
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        if not _guarded:  # an optimizer the user never set up is refused at its first step instead
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            _guarded.append(True)
-            register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: refuse(optimizer))
-        return model
+        return model  # an optimizer the user never set up is refused at its first step (the job's step hook)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         refuse(optimizer)
@@ -85,7 +79,7 @@ class FSDP(DDP):
 
 def refuse(optimizer: torch.optim.Optimizer) -> None:
     """One line for an optimizer in REFUSED (or a subclass of one) over fsdp's shards. Cheap: it runs before every
-    optimizer step of a process that set up an fsdp model."""
+    optimizer step while an fsdp job is open (yourloop/job_state.py)."""
     name = next((c.__name__ for c in type(optimizer).__mro__
                  if c.__module__.startswith("torch.optim") and c.__name__ in REFUSED), None)
     if name is None:

@@ -90,18 +90,15 @@ def convert(module: nn.Module) -> nn.Module:
     return module
 
 
-_SAID: list[bool] = []  # the line below is said once per process (the job's rank 0 only)
-
-
-def say_unsynced(model: nn.Module, processes: int, main: bool) -> None:
+def say_unsynced(model: nn.Module, processes: int, main: bool, said: set[str]) -> None:
     """One line on rank 0's stderr, once, when a model with BatchNorm layers trains on 2+ processes without
     sync_batchnorm: each process's statistics are then those of its own part of the batch, so the steps are not
     the ones one process takes (nothing else in the step differs that way but dropout)."""
     layers = sum(isinstance(m, _BatchNorm) and not isinstance(m, (nn.SyncBatchNorm, CPUSyncBatchNorm))
                  for m in model.modules())
-    if processes < 2 or not layers or not main or _SAID:
+    if processes < 2 or not layers or not main or "syncbn" in said:  # said once a job (`said`: the job's)
         return
-    _SAID.append(True)
+    said.add("syncbn")
     note(f"{type(model).__name__} has {layers} BatchNorm layer{'s' * (layers > 1)} and trains on "
          f"{processes} processes: each normalises by the statistics of its own 1/{processes} of the batch, not the "
          f"whole batch's as one process does; Multicard(sync_batchnorm=True) (multicard train --sync-bn) makes them "

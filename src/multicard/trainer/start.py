@@ -18,8 +18,8 @@ from torch import nn
 
 from .. import safefs
 from ..checkpoints import plain
+from ..checkpoints.plain import OWN
 from ..checkpoints.resume import FOLDER, head, newest, resolve
-from ..checkpoints.save_load import OWN
 from ..checkpoints.saves import hold
 from ..errors import UsageError
 from . import trust

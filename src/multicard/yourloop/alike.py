@@ -21,49 +21,48 @@ import torch
 from ..errors import note
 from ..jobs.progress import watched
 from ..jobs.trees import values
-from . import owners
 
 FIRST = 4096  # values of a tensor its fingerprint reads: a bounded cost, whatever the batch's size
-_state = {"dealt": False, "first": True, "cuts": 0, "warned": False}
 
 
-def dealt() -> None:
-    """A set-up training loader, or mc.randn_local, deals this process its part."""
-    _state["dealt"] = True
+class Inputs:
+    """What one job compares of the batches its set-up models are fed (the job's state holds it): whether
+    something multicard deals fed this process, whether the first training forward was compared, mc.local's
+    calls, `job`: the JobState (its strategy, replica check, and stop_or_warn)."""
 
+    def __init__(self, job: Any) -> None:
+        self.job, self.dealt, self.first, self.cuts = job, False, True, 0
 
-def cut(batch: Any) -> None:
-    """mc.local's global `batch`: compared between the processes at the first call and every K-th."""
-    _state["dealt"] = True
-    job = owners.current()
-    if job is None or job.mode == "off" or _state["warned"]:
-        return
-    _state["cuts"] += 1
-    calls = _state["cuts"]
-    if (calls == 1 or calls % job.every == 0) and not _alike(job.strategy, _tensors(batch)):
-        line = (f"mc.local (call {calls}): the processes passed different global batches: each cut its rows from a "
-                f"batch it drew itself (a shuffle, crop or flip drawn unseeded), so the {job.strategy.world} "
-                f"processes do not take one process's step; seed every process alike before drawing the batch "
-                f"(torch.manual_seed(0) at the top of the script, and random.seed / numpy's where the batch uses "
-                f"them), or let mc.setup_dataloader(loader) deal it")
-        owners.stop_or_warn(job, line, _state)
+    def cut(self, batch: Any) -> None:
+        """mc.local's global `batch`: compared between the processes at the first call and every K-th."""
+        self.dealt = True
+        check = self.job.replicas
+        if check.mode == "off" or "alike" in self.job.warned:
+            return
+        self.cuts += 1
+        calls, strategy = self.cuts, self.job.strategy
+        if (calls == 1 or calls % check.every == 0) and not _alike(strategy, _tensors(batch)):
+            line = (f"mc.local (call {calls}): the processes passed different global batches: each cut its rows from "
+                    f"a batch it drew itself (a shuffle, crop or flip drawn unseeded), so the {strategy.world} "
+                    f"processes do not take one process's step; seed every process alike before drawing the batch "
+                    f"(torch.manual_seed(0) at the top of the script, and random.seed / numpy's where the batch uses "
+                    f"them), or let mc.setup_dataloader(loader) deal it")
+            self.job.stop_or_warn(line, "alike")
 
-
-def forwarded(inputs: Any, training: bool) -> None:
-    """A set-up model's forward on 2+ processes: the first one that trains compares its `inputs` (every process
-    reaches it, as ddp and fsdp need every process's forward)."""
-    if not _state["first"] or not training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return
-    job = owners.current()
-    if job is None or job.mode == "off":
-        return
-    _state["first"] = False
-    if _alike(job.strategy, _tensors(inputs)) and not _state["dealt"] and job.strategy.is_main:
-        world = job.strategy.world
-        note(f"warning: the set-up model's first training batch is the same in every process, and no "
-             f"set-up loader or mc.local cut it: each process reads every batch ({world} processes take one "
-             f"process's steps at {world} times its work); pass the loader through mc.setup_dataloader(loader), "
-             f"or cut a batch you build with mc.local(batch)")
+    def forwarded(self, inputs: Any, training: bool) -> None:
+        """A set-up model's forward on 2+ processes: the first one that trains compares its `inputs` (every process
+        reaches it, as ddp and fsdp need every process's forward)."""
+        if not self.first or not training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        if self.job.replicas.mode == "off":
+            return
+        self.first, strategy = False, self.job.strategy
+        if _alike(strategy, _tensors(inputs)) and not self.dealt and strategy.is_main:
+            world = strategy.world
+            note(f"warning: the set-up model's first training batch is the same in every process, and no "
+                 f"set-up loader or mc.local cut it: each process reads every batch ({world} processes take one "
+                 f"process's steps at {world} times its work); pass the loader through mc.setup_dataloader(loader), "
+                 f"or cut a batch you build with mc.local(batch)")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -11,7 +11,6 @@ import os
 import re
 
 from ..errors import UsageError
-from ..jobs import progress
 
 ENV = "MULTICARD_DETERMINISTIC"  # how `multicard run --deterministic` tells the script's Multicard
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"  # cuBLAS reads it when it starts: before the first cuBLAS call of a process
@@ -48,7 +47,6 @@ def turn_on() -> None:
         raise UsageError(f"deterministic mode: this process used CUDA already, so cuBLAS started without {CUBLAS}; "
                          f"create the Multicard before any CUDA work, or set {CUBLAS}={WORKSPACE} before starting")
     os.environ.setdefault(CUBLAS, WORKSPACE)
-    progress.explain_with(refused)  # an op refused in the loss or a loader's worker ends a rank with the one line too
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False  # autotuning picks by timing: another kernel, other digits, per run
     torch.backends.cudnn.deterministic = True
@@ -65,7 +63,7 @@ def check(error: BaseException) -> None:
 def refused(error: BaseException) -> UsageError | None:
     """The one line for torch refusing an op with no deterministic version, wherever it ran (the model, the loss,
     a DataLoader worker, whose error torch raises again in the loop); None for any other error. An error that
-    ends a rank is read with it (progress.explain_with), once deterministic mode is on."""
+    ends a rank is read with it (the job's explain, yourloop/job_state.py)."""
     found = REFUSED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
         return None

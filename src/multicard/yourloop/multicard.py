@@ -21,20 +21,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..checkpoints.save_load import Checkpoints
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher, progress
 from ..jobs.dist import job_from_env
 from ..jobs.outcome import STOP_GRACE_S, checked_grace
 from ..strategies import Strategy, syncbn
-from . import alike, closure, determinism, memory, owners
+from . import closure, determinism, memory
+from .job_state import JobState
 from .loggers import make_loggers
 from .precision import PRECISIONS
 from .prepared import Prepared
 from .processes import launched, make_strategy
 from .ranks import Ranks
 from .replicas import ReplicaCheck, Replicas
+from .saving import Checkpoints
 from .steps import Steps
 from .stopping import Stopping, Stops
 
@@ -81,7 +82,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
         self.deterministic = determinism.settle(deterministic, strategy)
         self._strategy, self.precision, self.sync_batchnorm = strategy, precision, sync_batchnorm
-        self._state = "new"  # new -> started (this process joined its job) -> closed
+        self._phase = "new"  # new -> started (this process joined its job) -> closed
+        self._job_state: JobState | None = None  # what the job knows in this process, while it is joined
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self._skipped: torch.Tensor | None = None
         self._saves = 0  # counts save() calls: a rank's own part of a checkpoint must come from the same one
@@ -157,7 +159,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
                     return fn(self, *args)
             finally:
                 self.close()
-        if self._state != "new":
+        if self._phase != "new":
             raise UsageError("launch(fn) must come before anything else on this Multicard")
         named = (("fn", fn), *((f"argument {i}", a) for i, a in enumerate(args, 1)), ("loggers", self.loggers))
         return launcher.spawn(launched, self._strategy.processes, (type(self), self._strategy, self.precision,
@@ -168,15 +170,17 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
     def _start(self) -> None:
         """Join the job on first use. A script that asks for more processes than it runs in starts them now:
         it runs again as each rank (as `multicard run` does), and this process ends with their exit code."""
-        if self._state == "started":
+        if self._phase == "started":
             return
-        if self._state == "closed":
+        if self._phase == "closed":
             raise UsageError("this Multicard was closed (launch() closes it when fn returns); make a new one")
         if not self.job.launched and self._strategy.processes > 1:
             launcher.relaunch(self._strategy)
         self._strategy.start(self.job)
-        self._state = "started"
-        owners.opened(self._replicas)  # 2+ processes: optimizer steps are watched (owners.py)
+        self._phase = "started"
+        self._job_state = JobState(self._strategy, self._replicas)
+        self._replicas.job = self._job_state
+        self._job_state.open()  # 2+ processes or fsdp: optimizer steps are watched
         memory.reset(self._strategy.cards)
         if self.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -185,15 +189,15 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
 
     def close(self) -> None:
         """Leave the job: the process group goes down, the loggers are closed (flushed). Safe to call twice."""
-        for logger in self.loggers if self._state == "started" and self._strategy.is_main else ():  # where they wrote
+        for logger in self.loggers if self._phase == "started" and self._strategy.is_main else ():  # where they wrote
             if callable(getattr(logger, "close", None)):
                 logger.close()
-        if self._state == "started":
+        if self._phase == "started":
             self._replicas.close()
-            owners.closed(self._replicas)
+            self._job_state.close()
             self._strategy.stop()
         self._stops.restore()  # SIGTERM and SIGUSR1 as they were before the first mc.stop_requested
-        self._state = "closed"
+        self._phase = "closed"
 
     def __enter__(self) -> Multicard:
         return self
@@ -215,14 +219,13 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
         name, model = type(model).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
-        syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
+        syncbn.say_unsynced(model, self.world_size, self.is_main, self._job_state.warned)  # one line, once a job
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision], strategy=self._strategy,
-                            reduced=self.world_size > 1, main=self.is_main, ticked=self._replicas.forwarded)
-        parameters = list(prepared.parameters())
-        owners.held(parameters)
-        self._replicas.set_up(model, name, parameters)
+        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision], self._job_state,
+                            strategy=self._strategy, reduced=self.world_size > 1, main=self.is_main)
+        self._job_state.params.hold(list(prepared.parameters()))
+        self._replicas.set_up(model, name)
         self.setup_optimizers(*optimizers)
         return (prepared, *optimizers) if optimizers else prepared
 
@@ -230,12 +233,21 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         """For optimizers built after setup(model): given back as they are, but fp16's step() goes through the
         gradient scaler, and on 2+ processes step(closure) gets the whole batch's loss (LBFGS steps as on one)."""
         self._start()
+        job = self._job_state
         for optimizer in optimizers:
-            closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped)
+            job.params.set_up(optimizer)  # its parameters outside the set-up models: averaged at each step
+            closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped, job)
             self._replicas.watch(optimizer)
-            owners.set_up(optimizer)  # its parameters outside the set-up models: gradients averaged
         self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Say that `optimizer` is this process's own (a probe trained on rank 0 alone, a plain model replayed
+        beside the job to compare): its steps are neither averaged nor judged, nor counted among the job's; the
+        replica check goes on for everything else. Returns it."""
+        self._start()
+        self._job_state.params.keep_own(optimizer)
+        return optimizer
 
     @property
     def skipped_steps(self) -> int:
@@ -269,12 +281,14 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         self._start()
         if accumulate < 1:
             raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        job = self._job_state
         if train:
-            alike.dealt()
+            job.inputs.dealt = True
         agree = None if self.world_size == 1 else self._agree
         return shard(loader, train=train, rank=self.rank, world=self.world_size, device=self.device,
                      local_batch=self._loader_batch, agree=agree, global_batch=global_batch,
-                     device_data=device_data, accumulate=accumulate, seed_per_sample=seed_per_sample)
+                     device_data=device_data, accumulate=accumulate, seed_per_sample=seed_per_sample,
+                     weights=job.share, habits=job.habits)
 
     def _agree(self, value: torch.Tensor, how: str) -> torch.Tensor:
         """data/order.py's Agree: rank 0's `value`, or the element-wise max, on every process."""
@@ -286,10 +300,6 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
     def _loader_batch(self, batch: int, accumulate: int = 1) -> int:
         hint = ", or setup_dataloader(loader, global_batch=False) to keep it per process"
         return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint, accumulate)
-
-    def _optimizer_steps(self) -> int:
-        """What a save's moment is known by (checkpoints/randoms.py): this process's optimizer steps."""
-        return owners.steps()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""

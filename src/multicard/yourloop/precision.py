@@ -21,13 +21,19 @@ def autocast(device_type: str, precision: str) -> contextlib.AbstractContextMana
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype)
 
 
-def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: torch.Tensor) -> None:
+def step_through_scaler(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skipped: torch.Tensor,
+                        params: Any = None) -> None:
     """fp16: the optimizer's own step() becomes the scaler's step (unscale, skip on inf or nan, update), so
-    the loop keeps calling optimizer.step(); `skipped` counts the steps skipped."""
+    the loop keeps calling optimizer.step(); `skipped` counts the steps skipped. `params`: the job's OutsideParams
+    on 2+ processes (the gradients outside the models averaged before the scaler looks at them)."""
 
     def scaled(plain: Callable, *args: Any, **kwargs: Any) -> Any:
         before = scaler._scale.clone()
+        if params is not None:
+            params.average_early(optimizer)
         out = scaler.step(optimizer, *args, **kwargs)
+        if params is not None:
+            params.stepped(optimizer)
         scaler.update()
         skipped.add_(scaler._scale < before)  # backed off: this step was skipped (no host sync)
         return out

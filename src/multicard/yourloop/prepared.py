@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,14 +19,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoints.plain import unprefixed
-from ..data import uneven, watch
-from ..errors import UsageError, note
+from ..errors import UsageError
 from ..jobs.trees import values
-from . import alike, determinism
+from . import determinism
 from .precision import to_fp32
 
 SYNC = "require_backward_grad_sync"  # DDP's switch; scripts such as nanoGPT set it on the model per micro-step
-_OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", "_strategy", "_ticked",
+_OWN = ("forward_module", "_module", "_autocast", "_reduced", "_main", "_marked", "_paused", "_strategy", "_job",
         SYNC)
 CONTAINER = ("__getitem__", "__len__", "__iter__")  # a model class with any of these reads as a container
 
@@ -35,8 +34,9 @@ class Prepared(nn.Module):
     """A model as set up: the strategy's wrapper runs the forward (under autocast where `dtype` is given, the
     outputs handed back in fp32). Everything else reads as the user's own model: its attributes, `.module`,
     and its state_dict, which has no wrapper prefix. `reduced`: the wrapper reduces gradients between processes
-    (only its forward arms the reduction; `strategy` rebuilds it where what trains changed). `ticked`: called
-    before each forward whose backward is reduced (the replica check's count)."""
+    (only its forward arms the reduction; `strategy` rebuilds it where what trains changed). `job`: the JobState
+    (yourloop/job_state.py) each forward tells: the uneven split's weight, the habits seen, the first inputs
+    compared, and the replica check's count of forwards whose backward is reduced."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Prepared:
         module = args[1] if len(args) > 1 else kwargs.get("module")
@@ -45,11 +45,11 @@ class Prepared(nn.Module):
         return super().__new__(cls)
 
     def __init__(self, forward_module: nn.Module, module: nn.Module, device_type: str, dtype: torch.dtype | None,
-                 reduced: bool = False, main: bool = True, strategy: Any = None, ticked: Callable | None = None):
+                 job: Any, reduced: bool = False, main: bool = True, strategy: Any = None):
         super().__init__()
         self.forward_module = forward_module  # registered: train(), eval() and parameters() reach the model
         self.__dict__.update(_module=module, _autocast=(device_type, dtype), _reduced=reduced, _main=main,
-                             _marked=set(), _paused=0, _strategy=strategy, _ticked=ticked)  # not registered twice
+                             _marked=set(), _paused=0, _strategy=strategy, _job=job)  # not registered twice
 
     @property
     def module(self) -> nn.Module:
@@ -59,10 +59,11 @@ class Prepared(nn.Module):
         device_type, dtype = self._autocast
         if self._reduced and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._arm()
-        weight = uneven.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
-        watch.forwarded()
+        job = self._job
+        weight = job.share.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
+        job.habits.forwarded()
         if self._reduced:  # 2+ processes: the first training forward compares its inputs (alike.py)
-            alike.forwarded((args, kwargs), self.training)
+            job.inputs.forwarded((args, kwargs), self.training)
         try:
             if dtype is None:
                 out = self.forward_module(*args, **kwargs)
@@ -73,10 +74,12 @@ class Prepared(nn.Module):
             determinism.check(error)  # an op with no deterministic version: one line
             if self._strategy is not None:  # ddp: a parameter that got no gradient in the last backward
                 self._strategy.explain(error, self.module)
-            watch.explain(error)  # a shape naming the global batch; an empty evaluation batch
+            said = job.habits.explain(error)  # a shape naming the global batch; an empty evaluation batch
+            if said is not None:
+                raise said from None
             raise
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
-            out = uneven.weigh(out, weight)
+            out = job.share.weigh(out, weight)
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
                 self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
             self._watch_backward(out)
@@ -91,8 +94,8 @@ class Prepared(nn.Module):
             wrapper = self._strategy.refresh(before, self.__dict__["_module"])
             if wrapper is not before:
                 self.forward_module = wrapper
-        if self._ticked is not None and not self._paused and self.__dict__.get(SYNC, True):
-            self._ticked()
+        if not self._paused and self.__dict__.get(SYNC, True):
+            self._job.replicas.forwarded()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         return self.module.state_dict(*args, **kwargs)
@@ -198,15 +201,14 @@ class Prepared(nn.Module):
         """ddp arms its reduction in forward: a backward through this output inside no_backward_sync still
         reduces. Say so once (the hook runs in backward; it costs nothing else)."""
         tensor = next((t for t in values(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if tensor is None or _WARNED or not self._main:
+        if tensor is None or "no_sync" in self._job.warned or not self._main:
             return
 
         def check(grad: torch.Tensor) -> None:
-            global _WARNED
-            if self._paused and not _WARNED:
-                _WARNED = True
-                note("a backward inside no_backward_sync reduced the gradients anyway: under ddp the "
-                     "forward decides, and its forward ran outside the context; run the forward inside it too")
+            if self._paused:
+                self._job.say_once("no_sync", "a backward inside no_backward_sync reduced the gradients anyway: "
+                                   "under ddp the forward decides, and its forward ran outside the context; run the "
+                                   "forward inside it too")
 
         tensor.register_hook(check)
 
@@ -245,8 +247,6 @@ class Container(Prepared):
     def __bool__(self) -> bool:
         return bool(self.module)
 
-
-_WARNED = False
 
 
 def _restore_forward(module: nn.Module, before: Any) -> None:

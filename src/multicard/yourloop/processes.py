@@ -11,7 +11,6 @@ from typing import Any
 from torch import nn
 
 from .. import strategies
-from ..data import watch
 from ..errors import UsageError
 from ..jobs.devices import select
 from ..jobs.dist import Job, check_timeout
@@ -52,8 +51,4 @@ def launched(front: type, strategy: Strategy, precision: str, sync_batchnorm: bo
                    timeout=strategy.timeout_s, loggers=loggers, replica_check=replicas[0],
                    replica_check_every=replicas[1], deterministic=strategy.deterministic)
     args = tuple(copy.deepcopy(a) if isinstance(a, nn.Module) else a for a in args)  # own weights, not shared
-    try:
-        return mc.launch(fn, *args)
-    except (RuntimeError, ValueError) as error:  # a shape that names the global batch: said so under torch's message
-        watch.explain(error)
-        raise
+    return mc.launch(fn, *args)  # its errors read by the job's explain (launch's progress.plainly)

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..data import parts, uneven
+from ..data import parts
 from ..jobs.progress import watched
-from . import alike, collectives
+from . import collectives
 from .loggers import scalars
 
 
@@ -28,15 +28,16 @@ class Ranks:
         them, each field with as many rows, cut along `dim`; parts differ by at most one sample, the gradient
         weighted by the part's rows (uneven.py). mc.gather_in_order(outputs) puts the parts back in order."""
         self._start()
-        alike.cut(batch)  # the same global batch in every process? (its first call and every K-th)
-        return uneven.local(batch, self.rank, self.world_size, dim)
+        job = self._job_state
+        job.inputs.cut(batch)  # the same global batch in every process? (its first call and every K-th)
+        return job.share.local(batch, self.rank, self.world_size, dim, job.habits)
 
     def randn_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
         """torch.randn(*global_shape, **options) drawn whole in every process (the noise one process draws,
         e.g. a GAN's or a VAE's for the global batch), this process keeping its part along `dim`: the rows of the
         samples mc.local and the set-up loader give it."""
         self._start()
-        alike.dealt()
+        self._job_state.inputs.dealt = True
         return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
 
     def seed_per_process(self, seed: int) -> int:

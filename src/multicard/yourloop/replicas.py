@@ -24,20 +24,16 @@ that fails does more: it learns each rank's value and the largest difference, to
 
 from __future__ import annotations
 
-import itertools
 import os
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import UsageError, note
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
-from .owners import outside
 from .parted import ReplicasParted, explain, meet, unlike
 from .precision import wrap_step
 
@@ -48,7 +44,6 @@ CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loa
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
           "kernel; to go on anyway: Multicard(replica_check='warn' or 'off'), multicard run/train --replica-check "
           "warn|off")
-_MADE = itertools.count()  # replica checks that met beside the job, in this process: each meets under its own key
 
 
 def settle(mode: str | None, every: int | None) -> tuple[str, int]:
@@ -82,20 +77,14 @@ class ReplicaCheck:
         self.strategy, self.steps, self.warned, self.closed = strategy, 0, False, False
         self.models: list[tuple[str, nn.Module]] = []  # (the model's class name, the user's model)
         self.optimizers: list[torch.optim.Optimizer] = []  # set up: their step() calls are counted here
-        self.params: set[int] = set()  # ids of the set-up models' parameters (to recognise other optimizers)
-        self.others: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # other optimizer: over a set-up model?
-        self.hook: Any = None
+        self.job: Any = None  # the JobState, once the Multicard joined its job (its parameters outside the models)
         self.ticks, self.checked, self.since = 0, 0, False  # steps told (see above); the last checked; a reduced
         self.key, self.meetings, self.told = "", 0, set()  # forward since the last optimizer step; where checks meet
 
     def __getstate__(self) -> dict:
         """A copy (the Multicard pickled into a DataLoader worker) is no process of the job: it compares nothing,
         and carries neither the models nor the hook."""
-        return {**self.__dict__, "models": [], "optimizers": [], "params": set(), "others": None, "hook": None,
-                "closed": True}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, others=weakref.WeakKeyDictionary())
+        return {**self.__dict__, "models": [], "optimizers": [], "job": None, "closed": True}
 
     @property
     def active(self) -> bool:
@@ -113,13 +102,10 @@ class ReplicaCheck:
                          "build the model alike on every rank, e.g. after torch.manual_seed, or load it on every "
                          "rank)", [(type(model).__name__, model)], params=True, optimizers=[])
 
-    def set_up(self, model: nn.Module, name: str, parameters: list[nn.Parameter]) -> None:
+    def set_up(self, model: nn.Module, name: str) -> None:
         """A set-up model (`name`: its class's), compared from now on (by hand only, where the check is off)."""
         if self.strategy.world > 1:
             self.models.append((name, model))
-            self.params.update(map(id, parameters))
-        if self.active and self.hook is None:
-            self.hook = register_optimizer_step_post_hook(self._any_step)
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """A set-up optimizer: its settings compared, its step() calls counted (a bound method still, so LR
@@ -137,13 +123,10 @@ class ReplicaCheck:
 
         wrap_step(optimizer, counted)
 
-    def _any_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's post-step hook, for every optimizer in the process: counts those over a set-up model that
-        did not go through mc.setup (those that did are counted by their own step)."""
-        if optimizer not in self.others:
-            self.others[optimizer] = not any(optimizer is o for o in self.optimizers) and any(
-                id(p) in self.params for group in optimizer.param_groups for p in group["params"])
-        if self.others[optimizer]:
+    def stepped_elsewhere(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer over a set-up model that did not go through mc.setup is about to step (the job's step
+        hook tells it; those set up are counted by their own step)."""
+        if self.active:
             self.stepped()
 
     def forwarded(self) -> None:
@@ -171,9 +154,6 @@ class ReplicaCheck:
 
     def close(self) -> None:
         """The process group goes down: nothing is compared any more."""
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
         self.closed = True
 
     # -- comparing -------------------------------------------------------------------------------------------
@@ -189,9 +169,10 @@ class ReplicaCheck:
 
     def compare(self, when: str, models: list, params: bool, optimizers: list, first: bool = True,
                 kind: str = "setup") -> bool:
-        self.key, self.meetings = self.key or f"replicas/{next(_MADE)}", self.meetings + 1
+        self.key, self.meetings = self.key or self.strategy.new_key("replicas"), self.meetings + 1
         meet(self.strategy, self.key, self.meetings, [kind, self.steps, when])
-        found = entries(models, params, optimizers) + outside(optimizers)  # and their parameters outside the models
+        found = entries(models, params, optimizers)
+        found += self.job.params.outside(optimizers) if self.job is not None else []  # parameters outside the models
         self._say_blind(found)
         with torch.no_grad(), watched():
             line = unlike(self.strategy, when, found) if first else None

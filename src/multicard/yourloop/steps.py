@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..data import uneven
 from ..errors import UsageError
 from ..jobs.progress import watched
 from . import determinism
@@ -29,7 +28,7 @@ class Steps:
             raise UsageError(f"backward(loss, reduction={reduction!r}): say \"mean\" (a loss averaged over the rows, "
                              f"the default) or \"sum\" (summed over them)")
         if reduction == "sum" and self.world_size > 1:  # the forward weighted it as a mean: N / weight on top
-            weight = uneven.applied()
+            weight = self._job_state.share.applied
             loss = loss * (self.world_size / weight if weight else self.world_size)
         with watched():  # ddp's gradient reduction ran out of time: told to the launcher, even where it is caught
             try:
@@ -45,6 +44,8 @@ class Steps:
         if not 0 < max_norm < float("inf"):
             raise UsageError(f"max_norm {max_norm}: must be a positive number")
         if self.scaler is not None:
+            if self.world_size > 1:  # the parameters outside the models averaged first: every rank skips alike
+                self._job_state.params.average_early(optimizer)
             self.scaler.unscale_(optimizer)
         return self._strategy.clip_grad_norm(model, max_norm)
 

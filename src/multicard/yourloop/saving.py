@@ -3,8 +3,9 @@ its shards folder): the user's objects (models unwrapped, optimizers, schedulers
 plus what the Multicard itself restores: its save count, the fp16 gradient scaler and every process's random
 streams (randoms.py brings the other ranks' to rank 0).
 
-Checkpoints is a mixin of the Multicard (yourloop/multicard.py, a layer above: never imported here); the
-functions beside it take the Multicard (`mc`) as their first argument.
+Checkpoints is a mixin of the Multicard (yourloop/multicard.py); the functions beside it take the Multicard (`mc`)
+as their first argument. What a checkpoint file is (its format, checksums, fsdp's shards, the random streams'
+handover) lives in checkpoints/, which takes what it needs as arguments.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import torch
 from torch import nn
 
 from .. import safefs
+from ..checkpoints import plain as checkpoint
+from ..checkpoints import randoms, shards, sums
+from ..checkpoints.plain import OWN
 from ..errors import UsageError, note
-from . import plain as checkpoint
-from . import randoms, shards, sums
-
-OWN = "multicard"  # the entry of a checkpoint holding what Multicard itself restores
 
 
 def _checked(what: str, state: Any) -> None:
@@ -134,7 +134,7 @@ class Checkpoints:
         _checked("save", state)
         path = Path(path)
         if checkpoint.is_state_dict(state):  # mc.save(path, model.state_dict()): plain, as torch.save writes it
-            if randoms.handed(self, safefs.shown(path), None)[0]:  # rank 0, or a rank whose save rank 0 does not share
+            if self._handed(path, None)[0]:  # rank 0, or a rank whose save rank 0 does not share
                 checkpoint.save_state(path, state)
             return
         self._saves += 1
@@ -143,7 +143,7 @@ class Checkpoints:
             state, own["shards"], others = _sharded(self, path, state, own["rng"])
             writes = self.is_main
         else:
-            writes, others = randoms.handed(self, safefs.shown(path), own["rng"])
+            writes, others = self._handed(path, own["rng"])
         if writes:
             own["ranks"] = others  # rank: its random streams, for every other rank that handed them over
             if self.rank:  # a rank that saved without rank 0: "rng" is its own
@@ -153,6 +153,11 @@ class Checkpoints:
             checkpoint.save_state(path, {**state, OWN: own})
             if self.sharded:
                 shards.drop_older(path, own["shards"]["folder"])
+
+    def _handed(self, path: Path, streams: dict | None) -> tuple[bool, dict[int, Any]]:
+        """randoms.handed for this save: whether this process writes `path`, and the streams handed to it."""
+        job = self._job_state
+        return randoms.handed(self._strategy, job.handover, job.steps, safefs.shown(path), streams)
 
     def load(self, path: str | Path, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load what save wrote into the objects of `state` (models, optimizers, schedulers, loaders), in every
