@@ -240,7 +240,7 @@ def test_the_seams_of_a_loop_are_one_line_each_and_correct_loops_stay_silent(wor
             f"random.seed / numpy's where the batch uses them), or let mc.setup_dataloader(loader) deal it")
     assert found["unseeded"] == (f"mc.local (call 1): {seed}", "")
     # two calls a step (x, y), checked at calls 1, 2, 4, 6 (K = 2): the third step's batches (calls 5, 6) part
-    assert found["parted_later"] == (f"mc.local (call 6): {seed}", "")
+    assert found["parted_later"] == (f"mc.local (calls 5-6), before optimizer step 3: {seed}", "")
     assert found["unseeded_warn"] == (None, f"multicard: warning: mc.local (call 1): {seed}\n")
 
 

@@ -92,17 +92,22 @@ def samples(batch: Any, dim: int = 0) -> int | None:
     return counts[0][1] if counts else None
 
 
-def randn_local(rank: int, world: int, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
-    """torch.randn(*global_shape, **options), drawn whole in every process (the same random numbers one process
-    draws), of which this process keeps its part along `dim`: the rows of the samples the loader dealt it."""
+def drawn_local(draw: str, rank: int, world: int, *global_shape: int, dim: int = 0, seen: Any = None,
+                **options: Any) -> torch.Tensor:
+    """torch.randn or torch.rand (`draw`)(*global_shape, **options), drawn whole in every process (the same random
+    numbers one process draws), of which this process keeps its part along `dim`: the rows of the samples the
+    loader dealt it. `seen(whole)`: told the whole draw (the job compares it between the processes)."""
     if len(global_shape) == 1 and isinstance(global_shape[0], (tuple, list, torch.Size)):
         global_shape = tuple(global_shape[0])
     if not -len(global_shape) <= dim < len(global_shape):
-        raise UsageError(f"randn_local{tuple(global_shape)}, dim={dim}: the shape has no dimension {dim}")
+        raise UsageError(f"{draw}_local{tuple(global_shape)}, dim={dim}: the shape has no dimension {dim}")
     if global_shape[dim] < world:
-        raise UsageError(f"randn_local{tuple(global_shape)}: the global shape's size {dim} must be at least the "
+        raise UsageError(f"{draw}_local{tuple(global_shape)}: the global shape's size {dim} must be at least the "
                          f"{world} processes, each keeping a part")
-    return part(torch.randn(*global_shape, **options), rank, world, dim)
+    whole = getattr(torch, draw)(*global_shape, **options)
+    if seen is not None:
+        seen(whole)
+    return part(whole, rank, world, dim)
 
 
 def seed_per_process(seed: int, rank: int) -> int:

@@ -1,11 +1,14 @@
 """What the processes feed their set-up models, alike where multicard cuts it and apart where it does not, checked
 where it can be seen cheaply (on 2+ processes; the replica check's mode governs both: "off" checks nothing):
 
-- mc.local cuts each process's rows from the global batch it is passed, so that batch must be the same in every
-  process. A script that never seeds draws a batch of its own in each (its shuffle, crops and flips), and each
-  process would train on rows of another batch. The batch's fingerprint is compared at the first call and at every
-  K-th after it (K: the replica check's steps between checks): one all-reduce of six numbers then, nothing
-  between. Batches that differ are one line that says to seed: an error, or a warning said once.
+- mc.local cuts each process's rows from the global batch it is passed, and mc.randn_local / rand_local draw a
+  global batch whole in every process, so that batch must be the same in every process. A script that never seeds
+  draws a batch of its own in each (its shuffle, crops and flips), and each process would train on rows of another
+  batch; a draw on some ranks only (an EMA's sample under `if mc.is_main:`) parts the processes' random states
+  from then on. mc.local's first call is compared at once; later calls and the draws are compared at the next
+  optimizer step of the job, with torch's random state at each (one all-reduce of twelve numbers a step, where
+  there were any; nothing between). Batches that differ are one line: that the random states parted between two
+  steps (and how to keep a rank's own draw off the shared stream), or that they were never seeded alike.
 - the first training forward of a set-up model (gradients on, in train mode) compares its inputs, once. The same
   inputs in every process, where nothing multicard deals (a set-up training loader, mc.local, mc.randn_local) fed
   this process, mean that each process reads every batch itself: one process's steps at N times its work. Said
@@ -27,27 +30,75 @@ FIRST = 4096  # values of a tensor its fingerprint reads: a bounded cost, whatev
 
 class Inputs:
     """What one job compares of the batches its set-up models are fed (the job's state holds it): whether
-    something multicard deals fed this process, whether the first training forward was compared, mc.local's
-    calls, `job`: the JobState (its strategy, replica check, and stop_or_warn)."""
+    something multicard deals fed this process, whether the first training forward was compared, mc.local's calls,
+    and the draws and cuts since the last optimizer step (their fingerprints summed, weighted by their place, and
+    the random state's at each). `job`: the JobState (its strategy, replica check, steps, and stop_or_warn)."""
 
     def __init__(self, job: Any) -> None:
         self.job, self.dealt, self.first, self.cuts = job, False, True, 0
+        self.since: list = []  # (kind, the call) of each draw or cut since the last step
+        self.sums: torch.Tensor | None = None  # their fingerprints and the random state's, summed by place
+        self.streams_alike_at: int | None = None  # the last step whose draws saw the random states alike
 
     def cut(self, batch: Any) -> None:
-        """mc.local's global `batch`: compared between the processes at the first call and every K-th."""
+        """mc.local's global `batch`: compared between the processes at once on the first call; later calls at the
+        next optimizer step (`stepping`)."""
         self.dealt = True
-        check = self.job.replicas
-        if check.mode == "off" or "alike" in self.job.warned:
+        if self.job.replicas.mode == "off" or "alike" in self.job.warned:
             return
         self.cuts += 1
-        calls, strategy = self.cuts, self.job.strategy
-        if (calls == 1 or calls % check.every == 0) and not _alike(strategy, _tensors(batch)):
-            line = (f"mc.local (call {calls}): the processes passed different global batches: each cut its rows from "
-                    f"a batch it drew itself (a shuffle, crop or flip drawn unseeded), so the {strategy.world} "
-                    f"processes do not take one process's step; seed every process alike before drawing the batch "
-                    f"(torch.manual_seed(0) at the top of the script, and random.seed / numpy's where the batch uses "
-                    f"them), or let mc.setup_dataloader(loader) deal it")
-            self.job.stop_or_warn(line, "alike")
+        if self.cuts > 1:
+            self._add(("mc.local", self.cuts), _tensors(batch))
+        elif not _alike(self.job.strategy, _tensors(batch)):
+            self.job.stop_or_warn(f"mc.local (call 1): {self._unseeded()}", "alike")
+
+    def drew(self, whole: torch.Tensor) -> None:
+        """mc.randn_local / rand_local drew `whole`: compared at the next optimizer step (`stepping`)."""
+        self.dealt = True
+        if self.job.replicas.mode != "off" and "alike" not in self.job.warned and self.job.strategy.world > 1:
+            self._add(("a draw of mc.randn_local or rand_local", 0), [whole])
+
+    def _add(self, what: tuple[str, int], tensors: list[torch.Tensor]) -> None:
+        device = self.job.strategy.device
+        place = len(self.since) + 1
+        numbers = torch.cat([fingerprint(tensors, device), _stream(device)]) * place
+        self.sums = numbers if self.sums is None else self.sums + numbers
+        self.since.append(what)
+
+    def stepping(self) -> None:
+        """A step of the job is about to be taken, alike on every rank: the draws and cuts since the last one are
+        compared (one all-reduce of twelve numbers, where there were any). Batches that differ are one line: where
+        the random states had been alike and parted since, a draw on some ranks only moved them."""
+        if self.sums is None:
+            return
+        sums, since, steps = self.sums, self.since, self.job.steps
+        self.sums, self.since = None, []
+        with torch.no_grad(), watched():
+            both = self.job.strategy.all_reduce(torch.cat([sums, -sums]), "max")
+        differ = (both[:5] != -both[5:]).tolist()  # the host sync: once a step, where there were draws
+        if not differ[3] and not differ[4]:
+            self.streams_alike_at = steps + 1  # alike as the draws before this step were made
+        if not any(differ[:3]):
+            return
+        kind, call = since[0]
+        last = since[-1][1] if since[-1][0] == kind else call
+        where = f"{kind} (call{f's {call}-{last}' if last > call else f' {call}'})" if call else kind
+        if (differ[3] or differ[4]) and self.streams_alike_at is not None:
+            line = (f"{where}, between optimizer steps {self.streams_alike_at} and {steps + 1}: the processes' "
+                    f"random states parted there (alike before): a draw on some ranks only, such as a sample "
+                    f"under `if mc.is_main:`, moved one rank's torch random state, so each process drew another "
+                    f"global batch; keep a draw of one rank off the shared stream: `with torch.random.fork_rng():` "
+                    f"around it, or a torch.Generator of its own")
+        else:
+            line = f"{where}, before optimizer step {steps + 1}: {self._unseeded()}"
+        self.job.stop_or_warn(line, "alike")
+
+    def _unseeded(self) -> str:
+        return (f"the processes passed different global batches: each cut its rows from a batch it drew itself (a "
+                f"shuffle, crop or flip drawn unseeded), so the {self.job.strategy.world} processes do not take one "
+                f"process's step; seed every process alike before drawing the batch (torch.manual_seed(0) at the top "
+                f"of the script, and random.seed / numpy's where the batch uses them), or let "
+                f"mc.setup_dataloader(loader) deal it")
 
     def forwarded(self, inputs: Any, training: bool) -> None:
         """A set-up model's forward on 2+ processes: the first one that trains compares its `inputs` (every process
@@ -63,6 +114,14 @@ class Inputs:
                  f"set-up loader or mc.local cut it: each process reads every batch ({world} processes take one "
                  f"process's steps at {world} times its work); pass the loader through mc.setup_dataloader(loader), "
                  f"or cut a batch you build with mc.local(batch)")
+
+
+def _stream(device: torch.device) -> torch.Tensor:
+    """Two int64 numbers: the sum and position-weighted sum of torch's CPU random state read as integers."""
+    state = torch.default_generator.get_state()
+    bits = state[:len(state) // 8 * 8].view(torch.int64)
+    place = torch.arange(1, len(bits) + 1, dtype=torch.int64)
+    return torch.stack([bits.sum(), (bits * place).sum()]).to(device)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -65,8 +65,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
     compare a fingerprint of their set-up models and optimizers every K steps (default 100; told by the reduced
     forwards, alike on every rank), after setup and after mc.load, and stop (or warn once) where the replicas
     parted (replicas.py). The same mode governs the seams: an optimizer step over parameters no set-up model
-    holds (owners.py), and mc.local on batches the processes drew apart, compared every K calls (alike.py). None:
-    multicard run's --replica-check / --replica-check-every, else the defaults.
+    holds (outside_params.py), and batches the processes drew apart (mc.local, randn_local), compared at each step
+    (alike.py). None: multicard run's --replica-check / --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (yourloop/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.

@@ -37,8 +37,15 @@ class Ranks:
         e.g. a GAN's or a VAE's for the global batch), this process keeping its part along `dim`: the rows of the
         samples mc.local and the set-up loader give it."""
         self._start()
-        self._job_state.inputs.dealt = True
-        return parts.randn_local(self.rank, self.world_size, *global_shape, dim=dim, **options)
+        return parts.drawn_local("randn", self.rank, self.world_size, *global_shape, dim=dim,
+                                 seen=self._job_state.inputs.drew, **options)
+
+    def rand_local(self, *global_shape: int, dim: int = 0, **options: Any) -> torch.Tensor:
+        """torch.rand drawn as randn_local draws (uniform noise, a mask or a timestep one process draws for the
+        global batch), this process keeping its part along `dim`."""
+        self._start()
+        return parts.drawn_local("rand", self.rank, self.world_size, *global_shape, dim=dim,
+                                 seen=self._job_state.inputs.drew, **options)
 
     def seed_per_process(self, seed: int) -> int:
         """Seed torch, `random` and numpy with seed + rank: streams that differ between processes; returns it."""
