@@ -11,11 +11,12 @@ import tracemalloc
 import pytest
 
 from conftest import HUNG_S
-from multicard import strategies
+from multicard import rules, strategies
 from multicard.errors import UsageError
 from multicard.jobs import devices
 from multicard.jobs.devices import WAITING, Devices, cpu_cores, max_cpu_processes, parse
 from multicard.jobs.dist import Job
+from multicard.yourloop.multicard import Multicard
 
 
 @pytest.mark.parametrize("text, cards, kind, ids", [
@@ -190,10 +191,20 @@ def test_single_in_a_launched_job_is_an_error():
         strategies.choose("single", CPU1, Job(rank=0, world=2, launcher="torchrun"))
 
 
+def test_the_registry_holds_the_strategies_the_flags_and_keywords_take_in_their_order():
+    assert ("auto", *strategies.STRATEGIES) == rules.STRATEGIES
+    assert all(cls.name == name for name, cls in strategies.STRATEGIES.items())
+
+
 @pytest.mark.parametrize("name", ["nope", "DDP", "", "zero"])
-def test_unknown_strategy(name):
-    with pytest.raises(UsageError, match=f"--strategy {name}: unknown; choose auto or one of single"):
-        strategies.choose(name, CPU1, Job())
+def test_an_unknown_strategy_is_one_line_naming_where_it_came_from(name, monkeypatch):
+    with pytest.raises(UsageError, match=rf"^strategy={name!r}: choose one of auto, single, ddp, dp, dp-balanced, "
+                                         rf"fsdp$"):
+        Multicard(name, "cpu")
+    monkeypatch.setenv("MULTICARD_STRATEGY", name)  # multicard run's --strategy, or one set by hand
+    with pytest.raises(UsageError, match=rf"^MULTICARD_STRATEGY={name} \(multicard run --strategy\): choose one "
+                                         rf"of auto, single"):
+        Multicard("auto", "cpu")
 
 
 def test_create_gives_the_chosen_class():

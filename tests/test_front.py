@@ -3,6 +3,7 @@ processes, dp and dp-balanced with CPU stand-ins; the loader contract; checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,11 +18,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 import multicard
 from conftest import assert_same, cpu_and_card, rehearsal, sharded, tiny_images
+from multicard.cli import main
 from multicard.errors import UsageError
 from multicard.jobs.devices import Devices
 from multicard.strategies.dp import DP
 from multicard.strategies.single import Single
 from multicard.yourloop.multicard import Multicard
+from multicard.yourloop.precision import DTYPES
 from multicard.yourloop.prepared import Prepared
 from test_dp import CPUBalanced
 
@@ -170,8 +173,25 @@ def test_bf16_runs_the_forward_under_autocast_and_hands_back_fp32():
     model.module[1].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     out = model(tiny_images(4)[:][0])
     assert seen == [torch.bfloat16] and out.dtype == torch.float32
-    with pytest.raises(UsageError, match="precision 'fp8'"):
-        Multicard(devices="cpu", precision="fp8")
+    assert DTYPES == {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("keyword, value, said", [
+    ("strategy", "x", "choose one of auto, single, ddp, dp, dp-balanced, fsdp"),
+    ("precision", "fp8", "choose one of fp32, bf16, fp16"),
+    ("replica_check", "maybe", "choose one of stop, warn, off"),
+    ("replica_check_every", 0, "must be at least 1"),
+    ("replica_check_every", 2.5, "not a whole number"),
+    ("timeout", 0.5, "must be from 1 to 1e+06 seconds"),
+])
+def test_a_bad_keyword_is_named_as_typed_with_the_rest_its_flag_says(keyword, value, said, capsys):
+    with pytest.raises(UsageError) as called:
+        Multicard(devices="cpu", **{keyword: value})
+    assert str(called.value) == f"{keyword}={value!r}: {said}"
+    flag = f"--{keyword.replace('_', '-')} {value}"
+    with contextlib.suppress(SystemExit):
+        assert main(["train", *flag.split()]) == 2
+    assert f"{flag}: {said}" in capsys.readouterr().err
 
 
 def test_checkpoint_round_trip_and_its_errors(tmp_path):

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "multicard"
 
 # Bottom to top. A module may import its own layer and the layers before it, never one after it.
-LAYERS = ["errors", "safefs", "jobs", "strategies", "data", "models", "checkpoints", "yourloop", "trainer", "tools",
-          "cli", "__main__", "__init__"]
+LAYERS = ["errors", "rules", "safefs", "jobs", "strategies", "data", "models", "checkpoints", "yourloop", "trainer",
+          "tools", "cli", "__main__", "__init__"]
 MOST_LINES = 320
 MOST_TOP_LEVEL = 12
 README_MOST = 10_000

@@ -21,7 +21,6 @@ from multicard.errors import UsageError
 from multicard.jobs.devices import Devices
 from multicard.models import LeNet5
 from multicard.strategies import Strategy
-from multicard.trainer import config
 from multicard.yourloop import replicas
 from multicard.yourloop.fingerprints import fingerprints
 from multicard.yourloop.multicard import Multicard
@@ -329,9 +328,12 @@ def test_a_bad_flag_is_one_line(argv, said, capsys):
 
 
 @pytest.mark.parametrize("options, env, said", [
-    ({"replica_check": "maybe"}, {}, "replica_check='maybe': choose stop, warn or off"),
-    ({"replica_check_every": 0}, {}, "replica_check_every=0: the optimizer steps between replica checks"),
-    ({}, {replicas.MODE_VAR: "no"}, "MULTICARD_REPLICA_CHECK=no (multicard run --replica-check): choose stop"),
+    ({"replica_check": "maybe"}, {}, "replica_check='maybe': choose one of stop, warn, off"),
+    ({"replica_check_every": 0}, {}, "replica_check_every=0: must be at least 1"),
+    ({"replica_check_every": True}, {}, "replica_check_every=True: not a whole number"),
+    ({}, {replicas.MODE_VAR: "no"}, "MULTICARD_REPLICA_CHECK=no (multicard run --replica-check): choose one of stop"),
+    ({}, {replicas.EVERY_VAR: "0"}, "MULTICARD_REPLICA_CHECK_EVERY=0 (multicard run --replica-check-every): must be "
+                                    "at least 1"),
     ({}, {replicas.EVERY_VAR: "x"}, "MULTICARD_REPLICA_CHECK_EVERY=x (multicard run --replica-check-every): not a"),
 ])
 def test_a_bad_setting_is_one_line(options, env, said, monkeypatch):
@@ -349,7 +351,6 @@ def test_one_process_has_nothing_to_compare_and_pays_nothing():
     mc.setup_optimizers(optimizer)
     assert optimizer.step == plain and mc._job_state._hook is None  # no wrapper, no hook: no cost
     assert mc.check_replicas() is True
-    assert (replicas.MODES, replicas.EVERY) == (config.REPLICA_CHECKS, config.REPLICA_CHECK_EVERY)
 
 
 def fingerprint(tensor: torch.Tensor) -> list[int]:

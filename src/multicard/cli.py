@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import UsageError
 from .jobs import closed
-from .trainer.config import FLAG_GROUPS, REPLICA_CHECKS, STRATEGIES, TrainConfig
+from .rules import REPLICA_CHECKS, STRATEGIES
+from .trainer.config import FLAG_GROUPS, TrainConfig
 
 
 class Parser(argparse.ArgumentParser):

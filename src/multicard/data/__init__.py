@@ -1,8 +1,9 @@
 """Datasets by name (mnist-5k, IDX, synthetic), the global data order, and the loaders and pipelines that deal
-it out over processes. May import errors, jobs and strategies; never models, checkpoints or yourloop/."""
+it out over processes. May import errors, rules, jobs and strategies; never models, checkpoints or yourloop/."""
 
 from __future__ import annotations
 
+from .. import rules
 from ..errors import UsageError
 from .images import ImageData
 
@@ -25,8 +26,7 @@ def load(name: str, data_dir: str | None = None, download: bool = False, augment
     if name == "synthetic":
         from . import synthetic
 
-        if synthetic_samples < 1:
-            raise UsageError(f"--synthetic-samples {synthetic_samples}: must be at least 1")
+        rules.at_least(synthetic_samples, f"--synthetic-samples {synthetic_samples}", 1)
         return synthetic.load(synthetic_samples, shape, seed=seed)
     raise UsageError(f"--data {name}: unknown; choose one of {', '.join(NAMES)}")
 

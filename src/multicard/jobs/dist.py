@@ -20,7 +20,6 @@ from .devices import Devices
 from .lifeline import inherited
 from .progress import hook_failures, progress, progress_slot, slot_timed_out
 
-MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 1e6  # seconds: below 1 s a healthy step times out; 1e6 s is 11 days
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
 
 
@@ -151,13 +150,6 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
     store = rendezvous(job, timeout_s)
     dist.init_process_group(backend_for(devices), store=dist.PrefixStore("default_pg", store), rank=job.rank,
                             world_size=job.world, timeout=timeout)
-
-
-def check_timeout(timeout_s: float) -> None:
-    """A timeout a job can keep: below MIN_TIMEOUT a healthy step is taken for a hang; past MAX_TIMEOUT the
-    system's clocks overflow."""
-    if not MIN_TIMEOUT <= timeout_s <= MAX_TIMEOUT:  # also refuses nan
-        raise UsageError(f"--timeout {timeout_s:g}: must be from {MIN_TIMEOUT:g} to {MAX_TIMEOUT:g} seconds")
 
 
 def attempt() -> str:

@@ -11,7 +11,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from ..errors import UsageError, note
+from ..errors import note
 from . import dist, progress
 
 STOP_GRACE_S = 30.0  # a job stopped by a signal: its ranks get this long to act on it (a save) before SIGKILL, as
@@ -125,13 +125,6 @@ def _state(pid: int) -> str:
             return f.read().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
         return "?"
-
-
-def checked_grace(seconds: float, what: str) -> float:
-    """A stop grace as given (seconds, 0 or more), or one line naming `what` (the flag or the keyword)."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < float("inf"):
-        raise UsageError(f"{what}: give the seconds a rank gets between the stop signal and SIGKILL (0 or more)")
-    return float(seconds)
 
 
 def stop(processes: list, signum: int = signal.SIGTERM, grace_s: float = FAILED_GRACE_S, groups: bool = True) -> None:

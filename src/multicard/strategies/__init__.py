@@ -1,5 +1,5 @@
 """Strategies by name, and the choice of one for a config and a machine: base + one small file per strategy.
-A strategy wraps the model and the criterion and holds the collectives. May import errors and jobs only."""
+A strategy wraps the model and the criterion and holds the collectives. May import errors, rules and jobs only."""
 
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ from .dp import DP
 from .fsdp import FSDP
 from .single import Single
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "dp": DP, "dp-balanced": Balanced,
-                                         "fsdp": FSDP}
+# by name, in rules.STRATEGIES' order (auto: chosen by `choose`)
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, DDP, DP, Balanced, FSDP)}
 
 
 def choose(name: str, devices: Devices, job: Job) -> str:
-    """Resolve "auto" and reject combinations that cannot work, in one line each."""
+    """Resolve "auto" and reject combinations that cannot work, in one line each. `name` is one of
+    rules.STRATEGIES (the caller checked it, naming the flag or the keyword it came from)."""
     if name == "auto":
         return "ddp" if job.world > 1 or devices.count > 1 else "single"
-    if name not in STRATEGIES:
-        raise UsageError(f"--strategy {name}: unknown; choose auto or one of {', '.join(STRATEGIES)}")
     if name not in ("ddp", "fsdp") and job.world > 1:
         raise UsageError(f"--strategy {name} runs in one process, but {job.launcher} started {job.world}; "
                          f"use --strategy ddp or fsdp")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import rules
 from ..errors import UsageError
 from ..jobs.devices import Devices, cpu_threads
 from ..jobs.dist import Job
@@ -59,8 +60,7 @@ class Strategy:
     def local_batch(self, global_batch: int, what: str = "--batch-size", hint: str = "", accumulate: int = 1) -> int:
         """Samples per process per micro-batch, from the global batch (samples per optimizer step) cut into
         `accumulate` micro-batches. `what` names the setting in an error, `hint` adds another way out."""
-        if global_batch < 1:
-            raise UsageError(f"{what} {global_batch}: must be at least 1")
+        rules.at_least(global_batch, f"{what} {global_batch}", 1)
         parts = self.world * accumulate
         if global_batch % parts:
             lo, hi = global_batch // parts * parts, -(-global_batch // parts) * parts

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import rules
 from ..errors import UsageError
 
 SEED_BATCH, SEED_LR = 64, 1e-3  # the seeds' plain loop: DataLoader batch 64, Adam 1e-3
@@ -121,8 +122,8 @@ def plan(args: argparse.Namespace, cards: int, cores: int) -> list[tuple[str, in
                          f"out of --strategies")
     for flag, value in (("--repeats", args.repeats), ("--samples", args.samples),
                         ("--batch-size", args.batch_size), ("--fast-batch", args.fast_batch)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} {value}: must be at least 1")
+        if value is not None:
+            rules.at_least(value, f"{flag} {value}", 1)
     args.strategies, args.devices = ",".join(dict.fromkeys(names)), ",".join(map(str, numbers))
     args.samples = args.samples or SAMPLES.get((args.model, kind), OTHER_SAMPLES[kind])
     args.batch_size = args.batch_size or BATCH[kind]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import data, models
+from .. import data, models, rules
 from ..data.images import ImageData
 from ..errors import UsageError
 from ..jobs.devices import select
@@ -182,8 +182,7 @@ def check(config: TrainConfig, steps: int = 20, tolerance: float = 1e-4,
     config.validate()
     if config.batch_size is None:
         config = replace(config, batch_size=CHECK_BATCH)
-    if steps < 1:
-        raise UsageError(f"--steps {steps}: must be at least 1")
+    rules.at_least(steps, f"--steps {steps}", 1)
     if not 0 <= tolerance < float("inf"):
         raise UsageError(f"--tolerance {tolerance}: must be a number of 0 or more")
     names, devices = runnable(config) if strategies is None else (strategies, config.devices)

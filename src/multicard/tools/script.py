@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from .. import rules
 from ..errors import UsageError, note
 
 if TYPE_CHECKING:
@@ -19,9 +20,7 @@ if TYPE_CHECKING:
 def run(args: argparse.Namespace, own_flags: dict[str, bool]) -> int:
     """Start args.script with its arguments (args.args) as every rank of the job run's flags name. `own_flags`:
     run's own flags, each with whether it takes a value."""
-    from ..jobs.outcome import checked_grace
-
-    grace = checked_grace(args.stop_grace, f"--stop-grace {args.stop_grace:g}")
+    grace = rules.stop_grace(args.stop_grace, f"--stop-grace {args.stop_grace:g}")
     if not args.script:
         raise UsageError("run: name the script to run (multicard run [--devices D] script.py [its arguments])")
     if not args.module and not os.path.isfile(args.script):
@@ -102,7 +101,7 @@ def replicas_env(args: argparse.Namespace) -> dict[str, str]:
     """run's --replica-check flags, for the script's Multicard (yourloop/replicas.py reads them): only those given."""
     from ..yourloop.replicas import EVERY_VAR, MODE_VAR
 
-    if args.replica_check_every is not None and args.replica_check_every < 1:
-        raise UsageError(f"--replica-check-every {args.replica_check_every}: must be at least 1")
+    if args.replica_check_every is not None:
+        rules.replica_check_every(args.replica_check_every, f"--replica-check-every {args.replica_check_every}")
     given = ((MODE_VAR, args.replica_check), (EVERY_VAR, args.replica_check_every))
     return {name: str(value) for name, value in given if value is not None}

@@ -9,8 +9,9 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from .. import rules
 from ..errors import UsageError
-from ..jobs.dist import check_timeout
+from ..rules import PRECISIONS, REPLICA_CHECK_EVERY, REPLICA_CHECKS, STRATEGIES
 from ..yourloop.loggers import need_tensorboard
 
 
@@ -22,13 +23,9 @@ def opt(default, help: str, **meta):
 # the auto recipe (docs/recipes.md): the global batch, the passes, and the peak rate of each optimizer at that batch
 BATCH, EPOCHS = 256, 16
 LR = {"adam": 8e-3, "adamw": 8e-3, "sgd": 0.1}
-STRATEGIES = ("auto", "single", "ddp", "dp", "dp-balanced", "fsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("step", "cosine", "onecycle", "none")
-PRECISIONS = ("fp32", "bf16", "fp16")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-REPLICA_CHECKS = ("stop", "warn", "off")  # yourloop/replicas.py's modes
-REPLICA_CHECK_EVERY = 100  # yourloop/replicas.py's EVERY (tests/test_replicas.py holds them equal)
 # train --help shows the flags in these groups (title: what they set, the fields), in this order
 FLAG_GROUPS = {
     "data: what it learns from": ("data", "data_dir", "download", "synthetic_samples", "augment", "workers",
@@ -215,20 +212,20 @@ class TrainConfig:
         for flag, value, least in (("--epochs", self.epochs, 1), ("--lr-step", self.lr_step, 1),
                                    ("--batch-size", 1 if self.batch_size is None else self.batch_size, 1),
                                    ("--workers", self.workers, 0), ("--eval-batch-size", self.eval_batch_size, 1),
-                                   ("--accumulate", self.accumulate, 1), ("--save-every", self.save_every, 0),
+                                   ("--save-every", self.save_every, 0),
                                    ("--save-every-steps", self.save_every_steps, 0),
                                    ("--keep-checkpoints", self.keep_checkpoints, 0),
                                    ("--max-restarts", self.max_restarts, 0),
-                                   ("--synthetic-samples", self.synthetic_samples, 1),
-                                   ("--replica-check-every", self.replica_check_every, 1)):
-            if value < least:
-                raise UsageError(f"{flag} {value}: must be at least {least}")
+                                   ("--synthetic-samples", self.synthetic_samples, 1)):
+            rules.at_least(value, f"{flag} {value}", least)
+        rules.accumulate(self.accumulate, f"--accumulate {self.accumulate}")
+        rules.replica_check_every(self.replica_check_every, f"--replica-check-every {self.replica_check_every}")
         if self.workers > (most := max(64, 4 * (os.cpu_count() or 1))):
             raise UsageError(f"--workers {self.workers}: at most {most} DataLoader worker processes per training "
                              f"process on this machine ({os.cpu_count()} CPU cores); 0 to 2 per core is plenty")
         if not -2**63 <= self.seed < 2**63:  # what torch's generators take
             raise UsageError(f"--seed {self.seed}: out of range (from {-2**63} to {2**63 - 1})")
-        check_timeout(self.timeout)
+        rules.timeout(self.timeout, f"--timeout {self.timeout:g}")
         for flag, value in (("--lr", 1 if self.lr is None else self.lr), ("--lr-gamma", self.lr_gamma)):
             if not 0 < value < math.inf:  # also refuses nan
                 raise UsageError(f"{flag} {value}: must be a positive number")
@@ -246,13 +243,13 @@ class TrainConfig:
             raise UsageError("--nesterov needs --optimizer sgd and a --momentum above 0")
         if self.warmup_epochs > self.epochs:
             raise UsageError(f"--warmup-epochs {self.warmup_epochs:g}: longer than the run (--epochs {self.epochs})")
-        for flag, value, allowed in (("--strategy", self.strategy, STRATEGIES), ("--optimizer", self.optimizer,
-                                     OPTIMIZERS), ("--scheduler", self.scheduler, SCHEDULERS),
-                                     ("--precision", self.precision, PRECISIONS),
-                                     ("--compile-mode", self.compile_mode, COMPILE_MODES),
-                                     ("--replica-check", self.replica_check, REPLICA_CHECKS)):
-            if value not in allowed:
-                raise UsageError(f"{flag} {value}: choose one of {', '.join(allowed)}")
+        rules.strategy(self.strategy, f"--strategy {self.strategy}")
+        rules.precision(self.precision, f"--precision {self.precision}")
+        rules.replica_check(self.replica_check, f"--replica-check {self.replica_check}")
+        for flag, value, allowed in (("--optimizer", self.optimizer, OPTIMIZERS),
+                                     ("--scheduler", self.scheduler, SCHEDULERS),
+                                     ("--compile-mode", self.compile_mode, COMPILE_MODES)):
+            rules.one_of(value, f"{flag} {value}", allowed)
 
 
 def idle(config: TrainConfig, processes: int, steps_per_epoch: int, model: str, batchnorm: bool,

@@ -21,16 +21,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import rules
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher, progress
 from ..jobs.dist import job_from_env
-from ..jobs.outcome import STOP_GRACE_S, checked_grace
+from ..jobs.outcome import STOP_GRACE_S
 from ..strategies import Strategy, syncbn
 from . import closure, determinism, memory
 from .job_state import JobState
 from .loggers import make_loggers
-from .precision import PRECISIONS
+from .precision import DTYPES
 from .prepared import Prepared
 from .processes import launched, make_strategy
 from .ranks import Ranks
@@ -151,7 +152,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         `args` arrives in each spawned process as a copy of its own. A signal that stops the job (SIGTERM,
         SIGINT, SIGHUP here) reaches every rank, which gets `stop_grace` seconds to act on it before SIGKILL;
         SIGUSR1 and SIGUSR2 are passed on to every rank."""
-        stop_grace = checked_grace(stop_grace, f"stop_grace={stop_grace!r}")
+        stop_grace = rules.stop_grace(stop_grace, f"stop_grace={stop_grace!r}")
         if self.job.launched or self._strategy.processes == 1:
             self._start()
             try:
@@ -222,7 +223,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         syncbn.say_unsynced(model, self.world_size, self.is_main, self._job_state.warned)  # one line, once a job
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
-        prepared = Prepared(forward, model, self.device.type, PRECISIONS[self.precision], self._job_state,
+        prepared = Prepared(forward, model, self.device.type, DTYPES[self.precision], self._job_state,
                             strategy=self._strategy, reduced=self.world_size > 1, main=self.is_main)
         self._job_state.params.hold(list(prepared.parameters()))
         self._replicas.set_up(model, name)
@@ -279,8 +280,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         `loader.step_ends` says whether it ends its step and `loader.share` is its part of the step's samples
         (scale its loss by that: the short last step of an epoch is weighted by samples, not by count)."""
         self._start()
-        if accumulate < 1:
-            raise UsageError(f"accumulate={accumulate}: must be at least 1")
+        rules.accumulate(accumulate, f"accumulate={accumulate!r}")
         job = self._job_state
         if train:
             job.inputs.dealt = True

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 
 from ..jobs.trees import map_tensors
+from ..rules import PRECISIONS
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype of each
+DTYPES = dict(zip(PRECISIONS, (None, torch.bfloat16, torch.float16), strict=True))  # the autocast dtype of each
 
 
 def autocast(device_type: str, precision: str) -> contextlib.AbstractContextManager:
     """The precision's autocast (nothing for fp32)."""
-    dtype = PRECISIONS[precision]
+    dtype = DTYPES[precision]
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype)
 
 

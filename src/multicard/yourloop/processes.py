@@ -10,28 +10,29 @@ from typing import Any
 
 from torch import nn
 
-from .. import strategies
+from .. import rules, strategies
 from ..errors import UsageError
 from ..jobs.devices import select
-from ..jobs.dist import Job, check_timeout
+from ..jobs.dist import Job
 from ..strategies import Strategy
-from .precision import PRECISIONS
+from .precision import DTYPES
 
 
 def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: Job, *, find_unused_parameters: bool,
                   fsdp_blocks: str, reshard_after_forward: bool, timeout: float) -> Strategy:
     """The strategy for Multicard(...)'s arguments; every combination that cannot work is one clear line."""
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    rules.precision(precision, f"precision={precision!r}")
     if isinstance(strategy, Strategy):
         strategy.job = job
     else:
+        rules.strategy(strategy, f"strategy={strategy!r}")
         if strategy == "auto":
             strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
+            rules.strategy(strategy, f"MULTICARD_STRATEGY={strategy} (multicard run --strategy)")
         # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
         devices = os.environ.get("MULTICARD_DEVICES", devices) if job.launcher == "multicard" else devices
         strategy = strategies.create(strategy, select(devices), job, find_unused_parameters)
-    check_timeout(timeout)  # before any process starts: not once each rank joins
+    rules.timeout(timeout, f"timeout={timeout!r}")  # before any process starts: not once each rank joins
     strategy.timeout_s = timeout
     if getattr(strategy, "sharded", False):
         if precision == "fp16":
@@ -39,7 +40,7 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
                              "reductions) or fp32, not fp16")
         if not hasattr(strategy, "param_dtype"):
             strategy.blocks, strategy.reshard_after_forward = fsdp_blocks, reshard_after_forward
-            strategy.param_dtype = PRECISIONS[precision]
+            strategy.param_dtype = DTYPES[precision]
     return strategy
 
 

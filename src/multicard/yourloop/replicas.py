@@ -30,15 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError, note
+from .. import rules
+from ..errors import note
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
 from .parted import ReplicasParted, explain, meet, unlike
 from .precision import wrap_step
 
-MODES = ("stop", "warn", "off")
-EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
 MODE_VAR, EVERY_VAR = "MULTICARD_REPLICA_CHECK", "MULTICARD_REPLICA_CHECK_EVERY"  # what multicard run passes on
 CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
@@ -48,24 +47,20 @@ CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loa
 
 def settle(mode: str | None, every: int | None) -> tuple[str, int]:
     """The mode and the steps between checks: as given, else from multicard run's flags (the environment),
-    else stop and EVERY; a bad value is one line."""
+    else stop and rules.REPLICA_CHECK_EVERY; a bad value is one line."""
     if mode is None:
         mode = os.environ.get(MODE_VAR, "stop")
         said = f"{MODE_VAR}={mode} (multicard run --replica-check)"
     else:
         said = f"replica_check={mode!r}"
-    if mode not in MODES:
-        raise UsageError(f"{said}: choose stop, warn or off")
+    rules.replica_check(mode, said)
     if every is None:
-        text = os.environ.get(EVERY_VAR, str(EVERY))
-        if not text.strip().isdigit():
-            raise UsageError(f"{EVERY_VAR}={text} (multicard run --replica-check-every): not a whole number")
-        every, said = int(text), f"{EVERY_VAR}={text}"
+        text = os.environ.get(EVERY_VAR, str(rules.REPLICA_CHECK_EVERY))
+        every = int(text) if text.strip().isdigit() else text
+        said = f"{EVERY_VAR}={text} (multicard run --replica-check-every)"
     else:
         said = f"replica_check_every={every!r}"
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UsageError(f"{said}: the optimizer steps between replica checks, a whole number of 1 or more")
-    return mode, every
+    return mode, rules.replica_check_every(every, said)
 
 
 class ReplicaCheck:
