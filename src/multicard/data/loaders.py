@@ -24,13 +24,12 @@ from ..errors import UsageError, note
 from ..jobs import lifeline
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
+from . import uneven, watch
 from .images import ImageData
 from .keyed import Keyed, Seeded, per_sample, seeded, the_seed
 from .order import Agree, Chunks, GlobalOrder, Permutation, ShardSampler, base_seed
 from .parts import empty
 from .pipelines import Split, read_whole
-from .uneven import Share, loader_weight
-from .watch import Habits
 
 # what a DataLoader was built with, besides its dataset, batch and sampler: carried over unchanged
 KEPT = [name for name in ("num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -76,10 +75,10 @@ class Sharded:
     optimizer step resumes with the next batch, on any number of processes that split the same global batch."""
 
     def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1,
-                 weights: Share | None = None, habits: Habits | None = None):
+                 weights: uneven.Share | None = None, habits: watch.Habits | None = None):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
-        self.weights, self.habits = weights or Share(), habits or Habits()  # the job's (yourloop/job_state.py)
         self.step_ends, self.share = True, 1.0
+        self.weights, self.habits = weights or uneven.Share(), habits or watch.Habits()  # the job's (job_state.py)
         self.skip = 0  # samples of the next pass's order to leave out (set by load_state_dict)
         self.place: tuple[int, int] | None = None  # (epoch, samples served) while a pass is under way
         self.started: list[torch.Tensor] = []  # the generators' states as the pass under way began
@@ -183,8 +182,8 @@ class Sharded:
                 step = sizes[i // k * k: i // k * k + k]
                 self.step_ends, self.share = i % k == k - 1 or i == len(sizes) - 1, sizes[i] / sum(step)
             if ordered:  # this process's rows of a short last step, weighted as one process weighs them
-                self.weights.record(*loader_weight(order.size, order.total, order.batch, k, order.rank, order.world,
-                                                   skip // g + i, self.share))
+                self.weights.record(*uneven.loader_weight(order.size, order.total, order.batch, k, order.rank,
+                                                          order.world, skip // g + i, self.share))
             elif not split:  # a batch of its own: no earlier split's weight goes on to it
                 self.weights.record(1.0)
             self.place = (epoch, skip + (i + 1 - drop) * g)
@@ -202,9 +201,7 @@ class Sharded:
         self.weights.record(1.0)  # the pass is over: a batch the script makes itself from here on is not weighted
         self.place = None
 
-    @property
-    def _rank(self) -> int:
-        return getattr(self.inner, "rank", getattr(self.sampler, "rank", 0))
+    _rank = property(lambda self: getattr(self.inner, "rank", getattr(self.sampler, "rank", 0)))
 
     def _empty(self, last: Any) -> Any:
         """A batch with no rows, in the structure of this loader's batches (the last one served, or else one cut
@@ -242,11 +239,10 @@ class Sharded:
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
           local_batch: Callable[..., int], agree: Agree | None = None, global_batch: bool = True,
           device_data: bool | str | None = False, accumulate: int = 1, seed_per_sample: bool | int = False,
-          weights: Share | None = None, habits: Habits | None = None) -> Sharded:
-    """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules). `weights`
-    and `habits`: the job's uneven.Share and watch.Habits, which the batches served are told to."""
-    weights, habits = weights or Share(), habits or Habits()
-    job = {"weights": weights, "habits": habits}
+          weights: uneven.Share | None = None, habits: watch.Habits | None = None) -> Sharded:
+    """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules); the batches
+    served are told to the job's `weights` and `habits`."""
+    job = {"weights": weights or uneven.Share(), "habits": habits or watch.Habits()}
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
     if not isinstance(loader, DataLoader):
@@ -284,7 +280,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     else:  # round-robin shards (gather_in_order relies on it); a shuffling loader's draws still taken
         order = ShardSampler(len(dataset), rank, world, draws, local)
     if global_batch:  # a shape by the DataLoader's batch_size (the global batch) is told in one line
-        habits.dealt(batch, local)
+        job["habits"].dealt(batch, local)
     whole_batches = isinstance(dataset, TensorDataset) and loader.collate_fn is default_collate and \
         seed_per_sample is False
     if device_data in (None, "auto"):
@@ -294,8 +290,8 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
     if device_data and not whole_batches:
         raise UsageError("device_data=True needs a TensorDataset, the default collate_fn and no seed_per_sample")
     if whole_batches and (device_data or loader.num_workers == 0):
-        return Sharded(InMemory(dataset, order, local, device if device_data else None), loader, device, accumulate,
-                       **job)
+        inner = InMemory(dataset, order, local, device if device_data else None)
+        return Sharded(inner, loader, device, accumulate, **job)
     kept = {name: getattr(loader, name) for name in KEPT}
     kept["worker_init_fn"] = lifeline.in_worker(loader.worker_init_fn, torch.are_deterministic_algorithms_enabled())
     indices = Keyed(order) if seed_per_sample is not False else order  # Keyed: each index goes with its epoch

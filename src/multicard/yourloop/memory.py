@@ -79,3 +79,15 @@ def _held(tensors: list[torch.Tensor]) -> int:
             total += max(0, end - max(start, reach))
             reach = max(reach, end)
     return total
+
+
+class Memory:
+    """Methods of Multicard (uses its cards)."""
+
+    def peak_memory_mb(self) -> list[float]:
+        """This process's peak: torch's peak allocated on each of its cards, or its peak resident memory."""
+        return peak_mb(self.cards)
+
+    def card_used_mb(self) -> list[float]:
+        """What NVML says is in use on each of this process's cards now ([] where it cannot be read)."""
+        return card_used_mb(self.cards)

@@ -31,6 +31,7 @@ from ..strategies import Strategy, syncbn
 from . import closure, determinism, memory
 from .job_state import JobState
 from .loggers import make_loggers
+from .memory import Memory
 from .precision import DTYPES
 from .prepared import Prepared
 from .processes import launched, make_strategy
@@ -41,7 +42,7 @@ from .steps import Steps
 from .stopping import Stopping, Stops
 
 
-class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
+class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
     """mc = Multicard(strategy="auto", devices="auto", precision="fp32").
 
     strategy: auto, single, ddp, dp, dp-balanced or fsdp (auto: ddp on 2+ cards or in a launched job, else
@@ -304,15 +305,6 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model inside what setup returned."""
         return model.module if isinstance(model, Prepared) else self._strategy.unwrap(model)
-
-    # -- memory ----------------------------------------------------------------------------------------------
-    def peak_memory_mb(self) -> list[float]:
-        """This process's peak: torch's peak allocated on each of its cards, or its peak resident memory."""
-        return memory.peak_mb(self.cards)
-
-    def card_used_mb(self) -> list[float]:
-        """What NVML says is in use on each of this process's cards now ([] where it cannot be read)."""
-        return memory.card_used_mb(self.cards)
 
 
 def launch(fn: Callable, *args: Any, strategy: str = "auto", devices: str = "auto", precision: str = "fp32",
