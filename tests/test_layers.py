@@ -117,3 +117,48 @@ def test_few_modules_at_the_top_and_each_subpackage_says_what_it_holds():
 
 def test_the_readme_is_short():
     assert len((ROOT / "README.md").read_text()) <= README_MOST
+
+
+MUTATORS = {"append", "add", "update", "pop", "clear", "extend", "insert", "remove", "setdefault", "discard",
+            "popitem", "appendleft"}
+MOST_MODULE_STATE = 6  # what a signal handler, the excepthook or the process group must reach; each says so
+
+
+def changed_at_run_time(tree: ast.Module) -> set[str]:
+    """The module's top-level names that a function changes: item assignment, a mutating method, `global`, next()."""
+    top = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+           for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    found = set()
+    for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        own = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | \
+              {a.arg for a in ast.walk(fn) if isinstance(a, ast.arg)}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global):
+                found.update(node.names)
+                own -= set(node.names)
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                found.update(t.value.id for t in targets if isinstance(t, ast.Subscript)
+                             and isinstance(t.value, ast.Name) and t.value.id not in own)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name):
+                found.update({node.func.value.id} - own)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "next" and \
+                    node.args and isinstance(node.args[0], ast.Name):
+                found.update({node.args[0].id} - own)
+    return found & top
+
+
+def test_few_names_of_module_state_and_none_in_a_lower_layer_reads_the_front_object():
+    texts = {name: path.read_text() for name, path in modules().items()}
+    state = {f"{name}.{n}" for name, text in texts.items() for n in changed_at_run_time(ast.parse(text))}
+    assert len(state) <= MOST_MODULE_STATE, sorted(state)
+    lower = [name for name, text in texts.items() if name.split(".")[0] in ("checkpoints", "data", "strategies", "jobs")
+             and ("mc._" in text or "mc: Any" in text)]
+    assert lower == []
+
+
+def test_the_module_state_count_sees_what_functions_change():
+    tree = ast.parse("A = []\nB = {}\nC = 0\nD = []\ndef f():\n    A.append(1)\n    B['k'] = 1\n"
+                     "    global C\n    C = 1\ndef g(D):\n    D.append(1)\n")
+    assert changed_at_run_time(tree) == {"A", "B", "C"}
