@@ -1,13 +1,17 @@
 """Multicard: the front object that takes a user's own training loop to N processes or cards.
 
-The seeds' four changes, each one line: start the processes (`mc.launch(fn)`, `multicard run script.py`, or
-torchrun), join the process group (here, on first use), wrap the model (`mc.setup`), shard the data
-(`mc.setup_dataloader`). Our own trainer (trainer/loop.py) is written on this object and nothing else.
+Four changes, each one line: start the processes (mc.launch, multicard run, torchrun), join the process group
+(here, on first use), wrap the model (mc.setup), shard the data (mc.setup_dataloader). The trainer uses nothing else.
 
-The class is a facade: each capability lives in a module beside this one (processes.py: the strategy and the
-spawned processes; prepared.py: the set-up model; precision.py; ranks.py and collectives.py: parts and
-collectives; steps.py: backward, clipping, no_backward_sync; checkpoints/save_load.py: save and load;
-stopping.py: stop_requested, a stop signal every rank agrees on; loggers.py; memory.py).
+The class is a facade; every public member of `mc` is here or in a mixin beside this file:
+- here: the job (strategy, world_size, rank, is_main, device, cards, device_note, sharded, launcher, local_batch,
+  launch, close), setup, setup_optimizers, local_optimizer, setup_criterion, setup_dataloader, skipped_steps, unwrap;
+- ranks.py (Ranks): local, randn_local, rand_local, split, seed_per_process, all_reduce, gather, gather_in_order,
+  broadcast, barrier, rank_zero_first, print, log;
+- steps.py (Steps): backward, clip_gradients, no_backward_sync, mark_forward, autocast;
+- saving.py (Checkpoints): save, load, state_dict; replicas.py (Replicas): check_replicas;
+- stopping.py (Stopping): stop_requested, stop_signal; memory.py (Memory): peak_memory_mb, card_used_mb.
+What the job knows in this process is one JobState (job_state.py), made as this object joins its job.
 """
 
 from __future__ import annotations
