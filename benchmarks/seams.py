@@ -1,7 +1,8 @@
-"""What the seams' checks cost a training step (issue 40, items 1-3): torch's pre-step hook on every optimizer step
-(yourloop/owners.py: is this optimizer's every parameter held by a set-up model?), the set-up model's forward asking
-whether it is the first training one (yourloop/alike.py), and mc.local's count with the global batch's fingerprint
-compared every K calls (K = 100 by default); ddp on 2 gloo processes on the CPU.
+"""What the seams' checks cost a training step (issues 40 and 50): the job's pre-step hook on every optimizer step
+(yourloop/job_state.py and outside_params.py: is this the job's optimizer, are its parameters held by a set-up
+model?), the set-up model's forward asking whether it is the first training one (yourloop/alike.py), and mc.local's
+fingerprint of each global batch and of torch's random state, compared at the next step (one all-reduce a step);
+ddp on 2 gloo processes on the CPU.
 
 Result: not measured on an idle machine yet (run the command below on one; the first figures, taken on a busy
 2-core machine, are preliminary and not recorded here).
@@ -13,7 +14,7 @@ mc.local (two calls a step), 100 steps a timing. In the user loop's two processe
 timed on its own over many calls (the hook on the loop's own optimizer, the forward's question, mc.local's count
 with every 100th call's check: the cost at the default K, spread), and the 100 steps are timed in rotated rounds
 as shipped, with the checks taken out (the hook removed, mc.local's check skipped), and with a temperature outside
-the model in the set-up optimizer (item 2: its gradient averaged, one small all-reduce per backward). The cost per
+the model in the set-up optimizer (its gradient averaged at the step, one small all-reduce). The cost per
 step is the pieces' sum over the median step; the rounds show the same within the machine's noise.
 
     .venv/bin/python benchmarks/seams.py [--repeats 5] [--out benchmarks/results/seams.json]
@@ -37,7 +38,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import multicard
 from multicard.jobs.devices import cpu_cores
 from multicard.models import LeNet5
-from multicard.yourloop import alike, owners
 
 PROCS, BATCH, STEPS, CALLS = 2, 64, 100, 20_000  # processes, global batch, steps a timing, calls a piece
 
@@ -50,6 +50,7 @@ def per_call(fn: Callable[[], object], calls: int = CALLS) -> float:
 
 
 def user_loop(mc, repeats: int) -> dict:
+    job = mc._job_state  # what the job knows in this process: its hook and its checks, timed and taken out below
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
     torch.manual_seed(0)
@@ -70,14 +71,13 @@ def user_loop(mc, repeats: int) -> dict:
 
     def taken_out(run: Callable[[], None]) -> Callable[[], None]:
         def without() -> None:
-            hook, warned = owners._state["hook"], alike._state["warned"]
-            hook.remove()
-            alike._state["warned"] = True  # mc.local: no count, no check
+            job._hook.remove()
+            job.warned.add("alike")  # mc.local: no fingerprint, no check
             try:
                 run()
             finally:
-                owners._state["hook"] = register_optimizer_step_pre_hook(owners._before_step)
-                alike._state["warned"] = warned
+                job._hook = register_optimizer_step_pre_hook(job._before_step)
+                job.warned.discard("alike")
         return without
 
     kinds = {"as shipped": steps(model, optimizer), "checks taken out": taken_out(steps(model, optimizer)),
@@ -85,9 +85,15 @@ def user_loop(mc, repeats: int) -> dict:
     for run in kinds.values():  # warm-up (the first training forward's comparison happens here)
         run()
     inputs = ((mc.local(x),), {})
-    pieces = {"pre-step hook": per_call(lambda: owners._before_step(optimizer, (), {})),
-              "forward's question": per_call(lambda: alike.forwarded(inputs, True)),
-              "mc.local, K = 100": per_call(lambda: alike.cut(x))}  # both ranks: the every-K check pairs up
+
+    def two_cuts_and_a_step() -> None:  # a step's two mc.local calls and their comparison at the step
+        job.inputs.cut(x)
+        job.inputs.cut(y)
+        job.inputs.stepping()
+
+    pieces = {"pre-step hook": per_call(lambda: job._before_step(optimizer, (), {})),
+              "forward's question": per_call(lambda: job.inputs.forwarded(inputs, True)),
+              "mc.local x2 + the step's check": per_call(two_cuts_and_a_step, CALLS // 10)}  # both ranks pair up
     seconds: dict[str, list[float]] = {name: [] for name in kinds}
     names = list(kinds)
     for round_ in range(repeats):
@@ -119,7 +125,7 @@ def main() -> None:
     main_step = main_job_step()
     pieces = loop["pieces_s"]
     medians = {name: statistics.median(v) for name, v in loop["step_s"].items()}
-    user = pieces["pre-step hook"] + pieces["forward's question"] + 2 * pieces["mc.local, K = 100"]
+    user = pieces["pre-step hook"] + pieces["forward's question"] + pieces["mc.local x2 + the step's check"]
     main_added = pieces["pre-step hook"] + pieces["forward's question"]
     rows = {"main job (multicard train)": (main_step, main_added),
             "user loop (mc.local)": (medians["as shipped"], user)}
