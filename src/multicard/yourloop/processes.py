@@ -13,6 +13,7 @@ from torch import nn
 from .. import strategies
 from ..data import watch
 from ..errors import UsageError
+from ..jobs import protocol
 from ..jobs.devices import select
 from ..jobs.dist import Job, check_timeout
 from ..strategies import Strategy
@@ -28,9 +29,9 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
         strategy.job = job
     else:
         if strategy == "auto":
-            strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
+            strategy = os.environ.get(protocol.STRATEGY, "auto")
         # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
-        devices = os.environ.get("MULTICARD_DEVICES", devices) if job.launcher == "multicard" else devices
+        devices = os.environ.get(protocol.DEVICES, devices) if job.launcher == "multicard" else devices
         strategy = strategies.create(strategy, select(devices), job, find_unused_parameters)
     check_timeout(timeout)  # before any process starts: not once each rank joins
     strategy.timeout_s = timeout

@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import UsageError, note
+from ..jobs import protocol
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
@@ -43,7 +44,7 @@ from .precision import wrap_step
 
 MODES = ("stop", "warn", "off")
 EVERY = 100  # steps between checks: 0.25% of LeNet-5's training time on 2 gloo processes (benchmarks/replica_check.py)
-MODE_VAR, EVERY_VAR = "MULTICARD_REPLICA_CHECK", "MULTICARD_REPLICA_CHECK_EVERY"  # what multicard run passes on
+MODE_VAR, EVERY_VAR = protocol.REPLICA_CHECK, protocol.REPLICA_CHECK_EVERY  # what multicard run passes on
 CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
           "kernel; to go on anyway: Multicard(replica_check='warn' or 'off'), multicard run/train --replica-check "
