@@ -1,9 +1,15 @@
-"""Who am I in a job: read from our spawn, torchrun or SLURM variables (no processes started here)."""
+"""Who am I in a job: read from our spawn, torchrun or SLURM variables, and what our launcher and its ranks tell
+each other (jobs/protocol.py: the MULTICARD_ variables, the progress slot); no processes started here."""
 
+import os
 import re
+from pathlib import Path
 
+from multicard.jobs import launcher, outcome, progress, protocol
 from multicard.jobs.devices import Devices
 from multicard.jobs.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "multicard"
 
 
 def test_no_launcher():
@@ -68,3 +74,44 @@ def test_impossible_job_variables_are_one_line_each():
         assert "\n" not in str(error.value)
     with pytest.raises(UsageError, match="^SLURM_JOB_ID='x'"):
         rendezvous_env({"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "x"})
+
+
+def test_the_protocol_is_named_in_one_place():
+    """Every MULTICARD_ variable is named in jobs/protocol.py; one other module at most spells one (the all_reduce
+    docstring a user reads in help())."""
+    spelled = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if "MULTICARD_" in p.read_text()}
+    assert "jobs/protocol.py" in spelled and len(spelled) <= 2, spelled
+
+
+def test_a_rank_reads_what_our_launcher_hands_it(tmp_path):
+    env = launcher.job_env(1, 2, 1234, str(tmp_path))
+    assert {k: v for k, v in env.items() if k.startswith("MULTICARD_")} == {
+        "MULTICARD_LAUNCHER": "multicard", "MULTICARD_LAUNCHER_PID": str(os.getpid()),
+        "MULTICARD_PROGRESS": outcome.slot_path(str(tmp_path), 1)}
+    handed = protocol.from_env(env)
+    assert handed.ours and protocol.to_env(handed) == {k: v for k, v in env.items() if k.startswith("MULTICARD_")}
+    assert protocol.from_env({}) == protocol.Handed() and not protocol.Handed().ours
+    assert protocol.to_env(protocol.Handed()) == {}
+    chosen = protocol.Handed(strategy="ddp", devices="cpu:2")
+    assert protocol.to_env(chosen) == {"MULTICARD_STRATEGY": "ddp", "MULTICARD_DEVICES": "cpu:2"}
+    assert protocol.from_env(protocol.to_env(chosen)) == chosen
+    # a rank is the launcher's child: the launcher's pid is its parent's; any other process inherited the variables
+    assert job_from_env({**env, "MULTICARD_LAUNCHER_PID": str(os.getppid())}) == Job(1, 2, 1, 2, "multicard")
+    assert job_from_env(env) == Job()
+
+
+def test_the_progress_slot_round_trips_its_named_fields(tmp_path):
+    path = outcome.slot_path(str(tmp_path), 0)
+    progress.new_slot(path)
+    assert protocol.read_slot(path).fields() == dict.fromkeys(protocol.FIELDS, 0.0)
+    written = {"last": 12.5, "timeout": 30.0, "state": protocol.LOST_PEER, "batches": 7.0, "passes": 1.0}
+    slot = protocol.mapped(path)  # as a rank writes it
+    assert slot.mapped
+    for name, value in written.items():
+        setattr(slot, name, value)
+    assert protocol.read_slot(path).fields() == written  # as the launcher reads it
+    assert Path(path).read_bytes() == protocol.Slot(**written).packed()
+    Path(path).write_bytes(protocol.Slot(**written).packed()[:protocol.SLOT.size])  # the loaders' counts cut off
+    assert protocol.read_slot(path).fields() == {**written, "batches": 0.0, "passes": 0.0}
+    assert protocol.mapped(path) is None  # not a whole slot: never written to
+    assert protocol.read_slot(str(tmp_path / "none")).fields() == dict.fromkeys(protocol.FIELDS, 0.0)

@@ -19,7 +19,7 @@ import pytest
 import multicard
 from conftest import HUNG_S, ROOT, run_cli
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, outcome, progress
+from multicard.jobs import dist, launcher, outcome, progress, protocol
 from multicard.jobs.dist import Job
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
@@ -310,13 +310,13 @@ def slot(tmp_path, monkeypatch):
 
 
 def test_progress_reaches_the_launcher(slot):
-    assert progress.read_slot(slot) == (0.0, 0.0, 0.0)
+    assert protocol.read_slot(slot).fields() == dict.fromkeys(protocol.FIELDS, 0.0)
     before = time.monotonic()
     progress.progress()
-    last, _, timed_out = progress.read_slot(slot)
-    assert before <= last <= time.monotonic() and not timed_out
+    shown = protocol.read_slot(slot)
+    assert before <= shown.last <= time.monotonic() and not shown.state
     progress.failed(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
-    assert progress.read_slot(slot)[2]
+    assert protocol.read_slot(slot).state == protocol.TIMED_OUT_STATE
 
 
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
@@ -340,8 +340,8 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
             progress.new_slot(outcome.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
-            with open(outcome.slot_path(folder, rank), "r+b") as f:
-                f.write(progress.SLOT.pack(progress.MARK, last, 5.0, 1.0 if timed_out else 0.0))
+            slot = protocol.mapped(outcome.slot_path(folder, rank))
+            slot.last, slot.timeout, slot.state = last, 5.0, protocol.TIMED_OUT_STATE if timed_out else 0.0
 
         now = time.monotonic()
         show(0, now - 6)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
+from ..jobs.protocol import CACHE
 from .headroom import available_memory  # the machine's, a container's limit, ulimit -v: the least
 from .images import ImageData
 
@@ -45,7 +46,7 @@ SOURCES = {
 
 
 def cache_dir(name: str) -> Path:
-    root = os.environ.get("MULTICARD_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = os.environ.get(CACHE) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return Path(root) / "multicard" / name
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline
+from . import lifeline, protocol
 from .cpp_log import cpp_log_hidden
 from .devices import Devices
 from .lifeline import inherited
@@ -54,7 +54,7 @@ def job_from_env(env=os.environ) -> Job:
             _below(env, ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world))
         _port(env)
         _number(env, "TORCHELASTIC_RESTART_COUNT", 0, 0)
-        return Job(rank, world, local_rank, local_world, env.get("MULTICARD_LAUNCHER", "torchrun"))
+        return Job(rank, world, local_rank, local_world, env.get(protocol.LAUNCHER, "torchrun"))
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env and _number(env, "SLURM_NTASKS", 1, 1) > 1:
         rank, world = _number(env, "SLURM_PROCID", 0), _number(env, "SLURM_NTASKS", 1)
         _below(env, ("SLURM_PROCID", rank), ("SLURM_NTASKS", world))
@@ -97,7 +97,7 @@ def _port(env) -> int | None:
 
 def _origin(env) -> str:
     """Where this process's job came from, and what to do when it is not the job the user meant."""
-    if env.get("MULTICARD_LAUNCHER") == "multicard":
+    if protocol.from_env(env).ours:
         return "the job was started by multicard"
     if "RANK" in env and "WORLD_SIZE" in env:
         return ("RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT came from the environment (torchrun, SLURM or your shell): "
@@ -144,7 +144,7 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
         return
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
         lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
-    progress_slot()[1] = timeout_s
+    progress_slot().timeout = timeout_s
     progress()
     hook_failures()
     store = rendezvous(job, timeout_s)

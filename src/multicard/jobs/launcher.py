@@ -46,6 +46,7 @@ from .outcome import (
     to_group,
     told,
 )
+from .protocol import OURS, Handed, to_env
 
 
 def free_port() -> int:
@@ -66,13 +67,10 @@ def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str
     """What a process of a job started here finds in its environment: torchrun's variables, the store, the
     launcher's pid (a process whose parent it is not is no rank: see lifeline.inherited) and (given the job's folder)
     the file where it shows its progress."""
-    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MULTICARD_LAUNCHER="multicard",
-               TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store held here
-    env[lifeline.LAUNCHER_PID] = str(os.getpid())
-    if folder:
-        env[progress.PROGRESS] = slot_path(folder, rank)
-    return env
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store held here
+                **to_env(Handed(OURS, str(os.getpid()), slot_path(folder, rank) if folder else None)))
 
 
 class Signals:
@@ -316,4 +314,4 @@ def relaunch(strategy: Any) -> None:
 def job_choice(strategy: Any) -> dict[str, str]:
     """What a launcher tells the processes it starts: the strategy, and the devices as they see them (it has
     narrowed CUDA_VISIBLE_DEVICES to the chosen cards already, where CUDA had not started)."""
-    return {"MULTICARD_STRATEGY": strategy.name, "MULTICARD_DEVICES": strategy.devices.spec}
+    return to_env(Handed(strategy=strategy.name, devices=strategy.devices.spec))

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 from ..errors import note
+from .protocol import LAUNCHER_PID, from_env  # noqa: F401 (tests/test_hostile.py sets LAUNCHER_PID)
 
-LAUNCHER_PID = "MULTICARD_LAUNCHER_PID"  # our launcher names itself here: a process whose parent it is not is no rank
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
 _parent: int | None = None  # the launcher this rank belongs to, once watched
@@ -90,5 +90,5 @@ def end_if_orphaned(rank: int) -> None:
 def inherited(env=os.environ) -> bool:
     """Whether the job in `env` was started by multicard but not for this process: its launcher is not our
     parent (a rank's own child, or a shell under it, finds the variables too)."""
-    return env.get("MULTICARD_LAUNCHER") == "multicard" and env.get(LAUNCHER_PID, str(os.getppid())) != \
-        str(os.getppid())
+    handed = from_env(env)
+    return handed.ours and handed.launcher_pid not in (None, str(os.getppid()))

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 
 from ..errors import note
-from . import dist, progress
+from . import dist
+from .protocol import LOST_PEER, TIMED_OUT_STATE, read_slot
 
 STOP_GRACE_S = 30.0  # a job stopped by a signal: its ranks get this long to act on it (a save) before SIGKILL, as
 # torchrun gives them (multicard run --stop-grace, launch(stop_grace=))
@@ -53,7 +54,7 @@ def first_to_fail(nprocs: int, ended: Callable[[set[int], float | None], list[in
         for rank in done:
             running.discard(rank)
             if code(rank):
-                if progress.read_slot(slot_path(folder, rank))[2] != progress.LOST_PEER:
+                if read_slot(slot_path(folder, rank)).state != LOST_PEER:
                     return rank
                 if failed is None:
                     failed, deadline = rank, time.monotonic() + PEER_S
@@ -66,24 +67,24 @@ def blame(failed: int, others: dict[int, int], folder: str, world: int = 0) -> t
     """Where rank `failed` timed out waiting, the rank it waited for among `others` (rank: pid, still
     running), and why: one stopped by a signal (a frozen process); else, where every other rank of the `world`
     timed out waiting too, none: they called different collectives; else the one whose progress is oldest."""
-    _, timeout, state = progress.read_slot(slot_path(folder, failed))
-    if state != progress.TIMED_OUT_STATE or not (others or world > 1):
+    slot = read_slot(slot_path(folder, failed))
+    if slot.state != TIMED_OUT_STATE or not (others or world > 1):
         return None
     stopped = [r for r, pid in sorted(others.items()) if _state(pid) in ("T", "t")]
     if stopped:
         rank, why = stopped[0], "it was stopped by a signal"
     elif world > 1 and (waiting := _waiting_too(failed, world, folder)):
-        return failed, (f"rank {failed} timed out waiting for {waiting} after {timeout:g} s, and {waiting} for it: "
-                        f"the ranks called different collectives (or the same ones in another order)")
+        return failed, (f"rank {failed} timed out waiting for {waiting} after {slot.timeout:g} s, and {waiting} for "
+                        f"it: the ranks called different collectives (or the same ones in another order)")
     elif not others:
         return None
     else:
-        last = {r: progress.read_slot(slot_path(folder, r))[0] for r in others}
+        last = {r: read_slot(slot_path(folder, r)).last for r in others}
         rank = min(last, key=lambda r: (last[r], r))
         why = f"no progress from it for {time.monotonic() - last[rank]:.0f} s" if last[rank] else \
             "it made no progress at all"
     return rank, (f"rank {rank} stopped making progress ({why}; rank {failed} timed out waiting for it after "
-                  f"{timeout:g} s)")
+                  f"{slot.timeout:g} s)")
 
 
 def parted(failed: int, codes: dict[int, int | None], folder: str) -> tuple[int, str] | None:
@@ -91,15 +92,15 @@ def parted(failed: int, codes: dict[int, int | None], folder: str) -> tuple[int,
     reads whole that served one rank more batches than another, whose pass had ended (whatever followed: a rank
     left waiting, gloo's abort on mismatched collectives); else a rank that ended well (`codes`: rank: exit code,
     None while running) while `failed` waited for it in a collective (it left early: a sys.exit on one rank)."""
-    reads = {rank: progress.read_reads(slot_path(folder, rank)) for rank in sorted(codes)}
-    for short, (fewer, ended) in reads.items():
-        for more, (batches, passes) in reads.items():
-            if ended > passes and fewer < batches:
-                return more, (f"rank {more} read {batches} batches, rank {short} read {fewer} and its loader ended "
-                              f"there: a loader that every process reads whole (an IterableDataset, a batch "
-                              f"sampler) must serve each process as many batches")
+    slots = {rank: read_slot(slot_path(folder, rank)) for rank in sorted(codes)}
+    for short, ended in slots.items():
+        for more, read in slots.items():
+            if ended.passes > read.passes and ended.batches < read.batches:
+                return more, (f"rank {more} read {int(read.batches)} batches, rank {short} read "
+                              f"{int(ended.batches)} and its loader ended there: a loader that every process reads "
+                              f"whole (an IterableDataset, a batch sampler) must serve each process as many batches")
     gone = [rank for rank, code in sorted(codes.items()) if rank != failed and code == 0]
-    if gone and progress.read_slot(slot_path(folder, failed))[2] in (progress.TIMED_OUT_STATE, progress.LOST_PEER):
+    if gone and read_slot(slot_path(folder, failed)).state in (TIMED_OUT_STATE, LOST_PEER):
         return gone[0], (f"rank {gone[0]} ended (exit code 0) while rank {failed} still waited for it in a "
                          f"collective: every rank must make the same calls between processes before it ends (a "
                          f"sys.exit or a return on one rank only?)")
@@ -111,7 +112,7 @@ def _waiting_too(failed: int, world: int, folder: str) -> str:
     started to wait about together); "" where one did not (it is the one that stopped making progress)."""
     others = [r for r in range(world) if r != failed]
     deadline = time.monotonic() + MISMATCH_S
-    while any(progress.read_slot(slot_path(folder, r))[2] != progress.TIMED_OUT_STATE for r in others):
+    while any(read_slot(slot_path(folder, r)).state != TIMED_OUT_STATE for r in others):
         if time.monotonic() > deadline:
             return ""
         time.sleep(0.05)

@@ -1,38 +1,28 @@
 """A rank's progress slot: a small file our launcher makes for each rank, mapped into the rank's memory, where
-the rank shows how far it got and how it failed; the launcher reads it to name the rank to blame."""
+the rank shows how far it got and how it failed; the launcher reads it to name the rank to blame. Its fields, and
+the file's layout: protocol.py."""
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import pickle
 import re
-import stat
-import struct
 import sys
 import time
 from collections.abc import Iterator
 
 from ..errors import UsageError, note
-from . import closed, jobdir
+from . import closed, jobdir, protocol
 from .lifeline import inherited
+from .protocol import LOST_PEER, MARK, PROGRESS, SLOT, TIMED_OUT_STATE, Slot  # noqa: F401 (MARK, SLOT: for tests)
 
-PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
-# that file: a mark (only a file our launcher made is written to), last progress (time.monotonic()), the timeout,
-# and how the rank failed (0, TIMED_OUT_STATE or LOST_PEER)
-SLOT = struct.Struct("8s3d")
-# after it, what the rank read from loaders every process reads whole: batches served, passes that ended (a rank whose
-# pass ended before another's is named with both counts, rather than the rank left waiting)
-READS = struct.Struct("2d")
-MARK = b"mcslot1\n"
 # how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
 TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")
 # how a wait reads that ended because another process went away (gloo, the store, NCCL): not the cause
 LOST = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|remote process exit")
-TIMED_OUT_STATE, LOST_PEER = 1.0, 2.0  # what the slot's last number says of how a rank failed
 
-_slot: memoryview | list[float] | None = None
+_slot: Slot | None = None
 _hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
 # the jobs open in this process (yourloop/job_state.py's JobState), newest last: module level, as the process's
 # excepthook and torch's step hooks (process-wide) must reach them; each reads an error in one line (`explain`)
@@ -43,17 +33,17 @@ def progress() -> None:
     """Say that this process moved on (a batch was served). Cheap enough for every batch: one store into
     memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
     When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
-    (_slot if _slot is not None else progress_slot())[0] = time.monotonic()
+    (_slot if _slot is not None else progress_slot()).last = time.monotonic()
 
 
 def read_batch() -> None:
     """A loader that every process reads whole served this process a batch (one store, as progress())."""
-    (_slot if _slot is not None else progress_slot())[3] += 1
+    (_slot if _slot is not None else progress_slot()).batches += 1
 
 
 def pass_ended() -> None:
     """And its pass ended here: every process must have been served as many batches by then."""
-    progress_slot()[4] += 1
+    progress_slot().passes += 1
 
 
 @contextlib.contextmanager
@@ -73,7 +63,7 @@ def failed(error: BaseException) -> None:
     if TIMED_OUT.search(str(error)):
         slot_timed_out()
     elif LOST.search(str(error)):
-        progress_slot()[2] = LOST_PEER
+        progress_slot().state = LOST_PEER
 
 
 def job_opened(job: object) -> None:
@@ -129,7 +119,7 @@ def hook_failures() -> None:
     what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
     another rank lost (that rank is the one to name: here, one line instead of gloo's traceback)."""
     global _hooked
-    if _hooked or not isinstance(progress_slot(), memoryview):
+    if _hooked or not progress_slot().mapped:
         return
     _hooked, previous = True, sys.excepthook
 
@@ -167,40 +157,21 @@ def tell_launcher(kind: str, text: str) -> None:
 
 
 def slot_timed_out() -> None:
-    progress_slot()[2] = TIMED_OUT_STATE
+    progress_slot().state = TIMED_OUT_STATE
 
 
-def progress_slot() -> memoryview | list[float]:
-    """This rank's slot in the file our launcher made (MULTICARD_PROGRESS), mapped into memory; a plain list
-    (read by nobody) in any other process, and where the variable names a file that is not such a slot: the
-    variable alone never makes this process write into a file."""
+def progress_slot() -> Slot:
+    """This rank's slot in the file our launcher made (PROGRESS names it), mapped into memory; plain numbers (read
+    by nobody) in any other process, and where the variable names a file that is not such a slot: the variable
+    alone never makes this process write into a file."""
     global _slot
     if _slot is None:
         path = os.environ.get(PROGRESS)
-        slot = _map_slot(path) if path and not inherited() else [0.0] * 5
+        slot = protocol.mapped(path) if path and not inherited() else Slot()
         if slot is None:
             note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
-        _slot = [0.0] * 5 if slot is None else slot
+        _slot = Slot() if slot is None else slot
     return _slot
-
-
-def _map_slot(path: str) -> memoryview | None:
-    """The slot's numbers in `path`, mapped: only a plain file of this user's, of the slot's size, that starts
-    with the mark (no link followed); None for anything else."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != SLOT.size + READS.size or info.st_uid != os.getuid() or \
-                os.pread(fd, len(MARK), 0) != MARK:
-            return None
-        return memoryview(mmap.mmap(fd, SLOT.size + READS.size))[len(MARK):].cast("d")
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def new_slot(path: str) -> None:
@@ -208,30 +179,8 @@ def new_slot(path: str) -> None:
     whole (never a sparse file), so that no write to its mapping can meet a full disk."""
     try:
         with open(path, "xb") as f:
-            f.write(SLOT.pack(MARK, 0.0, 0.0, 0.0) + READS.pack(0.0, 0.0))
+            f.write(Slot().packed())
     except OSError as e:  # the job's folder goes with everything in it
         raise UsageError(f"cannot start the job: its ranks' progress files could not be written into the job's "
                          f"folder in {os.path.dirname(os.path.dirname(path))}: {jobdir.cause(e)}; "
                          f"{jobdir.remedy(e)}") from None
-
-
-def read_slot(path: str) -> tuple[float, float, float]:
-    """For the launcher: (last progress, the rank's timeout, how it failed: 0, TIMED_OUT_STATE or LOST_PEER);
-    zeros if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            _, last, timeout, state = SLOT.unpack(f.read(SLOT.size))
-    except (OSError, struct.error):
-        return 0.0, 0.0, 0.0
-    return last, timeout, state
-
-
-def read_reads(path: str) -> tuple[int, int]:
-    """For the launcher: (batches served, passes ended) of the loaders the rank read whole; zeros if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(SLOT.size)
-            batches, passes = READS.unpack(f.read(READS.size))
-    except (OSError, struct.error):
-        return 0, 0
-    return int(batches), int(passes)

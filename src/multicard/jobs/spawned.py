@@ -217,7 +217,7 @@ def _end_after_threads(rank: int) -> None:
     Python would wait for them without limit, and the launch with it. They get the job's timeout (after their exit
     handlers: an idle ThreadPoolExecutor ends at once); then a watch ends this process without those still running,
     naming them."""
-    timeout = progress.progress_slot()[1] or THREADS_S
+    timeout = progress.progress_slot().timeout or THREADS_S
 
     def end() -> None:
         if left := _running():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from .. import rules
 from ..errors import UsageError
+from ..jobs.protocol import TRUST_DIR
 from ..rules import PRECISIONS, REPLICA_CHECK_EVERY, REPLICA_CHECKS, STRATEGIES
 from ..yourloop.loggers import need_tensorboard
 
@@ -169,7 +170,7 @@ class TrainConfig:
     # path or a list of them (__post_init__); never taken from a checkpoint (recipe.inherit)
     trust_dir: list[str] = opt((), "a folder to write in although another user owns it or may write into it "
                                      "(a shared project folder, a container's bind mount): it, the folders in it and "
-                                     "above it; several: the flag again; also MULTICARD_TRUST_DIR (several "
+                                     f"above it; several: the flag again; also {TRUST_DIR} (several "
                                      "separated by ':')", many=True)
     # rank 0 writes event files into the run's folder: --out/tensorboard once the run has ended well
     tensorboard: bool = opt(False, "write TensorBoard event files into --out/tensorboard (per-step loss and lr, "

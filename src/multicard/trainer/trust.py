@@ -1,7 +1,7 @@
 """Whose folders a run writes in. --out, its checkpoints folder and every folder above --out must be yours or
 root's and not writable by group or others unless sticky (as /tmp), as ssh's StrictModes checks a home: else
 another user could rename --out (or a folder above it) away and put a link in its place. A folder you trust
-(--trust-dir PATH, or MULTICARD_TRUST_DIR=PATH, like git's safe.directory) is not checked, nor are the folders in
+(--trust-dir PATH, or VAR=PATH in the environment, like git's safe.directory) is not checked, nor are the folders in
 it and above it. --trust-dir takes one path as given, ":" included (several: the flag again); the variable
 separates several by ":" as PATH does. Either way the run writes only through --out held open (outdir.py), never
 again by its path.
@@ -16,13 +16,14 @@ from pathlib import Path
 
 from .. import safefs
 from ..errors import UsageError
+from ..jobs.protocol import TRUST_DIR
 
-VAR = "MULTICARD_TRUST_DIR"  # folders trusted, separated by os.pathsep (":"), as PATH separates its folders
+VAR = TRUST_DIR  # folders trusted, separated by os.pathsep (":"), as PATH separates its folders
 
 
 def trusted(given: str | os.PathLike | Sequence[str | os.PathLike] = ()) -> list[str]:
     """The folders trusted: those --trust-dir names (one path, or several; each whole, ":" included) and those
-    MULTICARD_TRUST_DIR names (separated by ":"), each as given (made absolute) and as the real path it leads to."""
+    VAR names (separated by ":"), each as given (made absolute) and as the real path it leads to."""
     one = isinstance(given, (str, os.PathLike))
     names = [os.path.expanduser(name) for name in (*map(os.fspath, [given] if one else given),
                                                    *os.environ.get(VAR, "").split(os.pathsep)) if name.strip()]

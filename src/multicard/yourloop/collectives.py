@@ -18,14 +18,14 @@ import torch
 from ..data.parts import bounds
 from ..errors import UsageError
 from ..jobs.progress import watched
+from ..jobs.protocol import CHECK_SHAPES
 from ..jobs.trees import children, leaves, rebuild, remake
 from ..strategies import Strategy
 from .fingerprints import shape
 
 OPS = ("sum", "mean", "max", "min")
 # The shape check costs a collective of its own: 1.3-1.7% of a LeNet-5 ddp step on 2 loaded CPU cores (see
-# docs/your-loop.md), over the 1% an always-on check may cost; so it is a debugging switch.
-CHECK_SHAPES = "MULTICARD_CHECK_SHAPES"
+# docs/your-loop.md), over the 1% an always-on check may cost; so it is a debugging switch (CHECK_SHAPES=1).
 
 
 def layouts(strategy: Strategy, found: list[tuple[str, Any]]) -> list | None:

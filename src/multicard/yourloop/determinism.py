@@ -11,8 +11,9 @@ import os
 import re
 
 from ..errors import UsageError
+from ..jobs import protocol
 
-ENV = "MULTICARD_DETERMINISTIC"  # how `multicard run --deterministic` tells the script's Multicard
+ENV = protocol.DETERMINISTIC  # how `multicard run --deterministic` tells the script's Multicard
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"  # cuBLAS reads it when it starts: before the first cuBLAS call of a process
 WORKSPACE = ":4096:8"  # the setting torch's docs name (8 workspaces of 4 MiB per stream)
 REFUSED = re.compile(r"(\S+) does not have a deterministic implementation")
@@ -25,10 +26,10 @@ def environment() -> dict[str, str]:
 
 
 def settle(asked: bool, strategy: object) -> bool:
-    """Whether this Multicard is deterministic: asked here, or by the launcher (MULTICARD_DETERMINISTIC=1). The
-    answer travels with the strategy to the processes Multicard.launch starts (processes.launched). If so, torch
-    is set for it in this process at once: before its first cuBLAS call, and before it starts any process (which
-    inherits the cuBLAS setting)."""
+    """Whether this Multicard is deterministic: asked here, or by the launcher (ENV=1). The answer travels with
+    the strategy to the processes Multicard.launch starts (processes.launched). If so, torch is set for it in this
+    process at once: before its first cuBLAS call, and before it starts any process (which inherits the cuBLAS
+    setting)."""
     value = os.environ.get(ENV, "0")
     if value not in ("0", "1"):
         raise UsageError(f"{ENV}={value}: set it to 1 (deterministic) or 0, or unset it")

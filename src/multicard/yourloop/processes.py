@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import rules, strategies
 from ..errors import UsageError
+from ..jobs import protocol
 from ..jobs.devices import select
 from ..jobs.dist import Job
 from ..strategies import Strategy
@@ -27,10 +28,10 @@ def make_strategy(strategy: str | Strategy, devices: str, precision: str, job: J
     else:
         rules.strategy(strategy, f"strategy={strategy!r}")
         if strategy == "auto":
-            strategy = os.environ.get("MULTICARD_STRATEGY", "auto")
-            rules.strategy(strategy, f"MULTICARD_STRATEGY={strategy} (multicard run --strategy)")
+            strategy = os.environ.get(protocol.STRATEGY, "auto")
+            rules.strategy(strategy, f"{protocol.STRATEGY}={strategy} (multicard run --strategy)")
         # in a job multicard started, its launcher chose the devices already (and narrowed the cards)
-        devices = os.environ.get("MULTICARD_DEVICES", devices) if job.launcher == "multicard" else devices
+        devices = os.environ.get(protocol.DEVICES, devices) if job.launcher == "multicard" else devices
         strategy = strategies.create(strategy, select(devices), job, find_unused_parameters)
     rules.timeout(timeout, f"timeout={timeout!r}")  # before any process starts: not once each rank joins
     strategy.timeout_s = timeout

@@ -32,13 +32,14 @@ from torch import nn
 
 from .. import rules
 from ..errors import note
+from ..jobs import protocol
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
 from .parted import ReplicasParted, explain, meet, unlike
 from .precision import wrap_step
 
-MODE_VAR, EVERY_VAR = "MULTICARD_REPLICA_CHECK", "MULTICARD_REPLICA_CHECK_EVERY"  # what multicard run passes on
+MODE_VAR, EVERY_VAR = protocol.REPLICA_CHECK, protocol.REPLICA_CHECK_EVERY  # what multicard run passes on
 CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "
           "buffer updated outside backward on some ranks (weight clipping, an EMA written back), a non-deterministic "
           "kernel; to go on anyway: Multicard(replica_check='warn' or 'off'), multicard run/train --replica-check "
