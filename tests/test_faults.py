@@ -305,8 +305,9 @@ def slot(tmp_path, monkeypatch):
     path = outcome.slot_path(str(tmp_path), 0)
     progress.new_slot(path)
     monkeypatch.setenv(progress.PROGRESS, path)
-    monkeypatch.setattr(progress, "_slot", None)
-    return path
+    progress.progress_slot.cache_clear()  # mapped afresh, as a new rank maps it
+    yield path
+    progress.progress_slot.cache_clear()
 
 
 def test_progress_reaches_the_launcher(slot):
@@ -321,7 +322,7 @@ def test_progress_reaches_the_launcher(slot):
 
 def test_progress_outside_a_job_is_nearly_free(monkeypatch):
     monkeypatch.delenv(progress.PROGRESS, raising=False)
-    monkeypatch.setattr(progress, "_slot", None)
+    progress.progress_slot.cache_clear()
     def timed(call) -> float:
         start = time.perf_counter()
         for _ in range(100_000):

@@ -18,7 +18,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .. import safefs
 from ..errors import UsageError, say
@@ -117,6 +117,18 @@ def aside(checkpoint: Path, run: str, place: Path | None = None) -> Path:
     return place
 
 
+class Front(Protocol):
+    """What the trainer's checkpoints take of the job: a Multicard's public calls (never its insides)."""
+
+    is_main: bool
+    sharded: bool
+
+    def barrier(self) -> None: ...
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def gather(self, obj: Any) -> list: ...
+    def save(self, path: str | Path, state: dict[str, Any]) -> None: ...
+
+
 class Checkpointer:
     """The trainer's checkpoints of one run, every rank: written through --out/checkpoints held open. Rank 0 opens
     it at the first save (hold: never through a link, its owner checked), learns the run that owns it (or claims
@@ -124,7 +136,7 @@ class Checkpointer:
     by --out's path only where it is the very folder rank 0 holds (its inode), and each save's folder likewise.
     Outside fsdp the other ranks hand rank 0 their random streams and write nothing."""
 
-    def __init__(self, mc: Any, out: str | Path, check: Check):
+    def __init__(self, mc: Front, out: str | Path, check: Check):
         self.mc, self.out, self.check = mc, Path(out), check
         self.folder: safefs.Folder | None = None  # checkpoints/, held from the first save on
         self.run = ""  # the id of the run the checkpoints belong to (rank 0)

@@ -52,26 +52,15 @@ class Stopped(BaseException):
         return [f"Stopped: stopped by {self}; every rank was stopped"]
 
 
-def uncaught_ends_as_signal() -> None:
-    """From now on, a Stopped that reaches the top of the program uncaught (a script that calls launch or train)
-    ends it as the signal would have: one line instead of a traceback, the exit handlers run, then the signal's
-    own exit status (a shell shows 128+N), as Python ends on a Ctrl-C. Anything else goes to the hook before."""
-    previous = sys.excepthook
-    if getattr(previous, "ends_as_signal", False):
-        return
-
-    def hook(kind: type, error: BaseException, trace: object) -> None:
-        if not isinstance(error, Stopped):
-            previous(kind, error, trace)
-            return
-        if error.signum != signal.SIGPIPE:  # a closed stdout (`| head`) ends a program without a word
-            note(f"stopped by {error}; every rank was stopped")
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a stream closed or gone: nothing left to show
-                stream.flush()
-        signal.signal(error.signum, signal.SIG_DFL)
-        os.kill(os.getpid(), error.signum)
-
-    hook.ends_as_signal = True
-    sys.excepthook = hook
+def end_as_signal(error: Stopped) -> None:
+    """A Stopped that reached the top of the program uncaught (a script that calls launch or train) ends it as the
+    signal would have: one line instead of a traceback, the exit handlers run, then the signal's own exit status
+    (a shell shows 128+N), as Python ends on a Ctrl-C (progress.py's excepthook calls it)."""
+    if error.signum != signal.SIGPIPE:  # a closed stdout (`| head`) ends a program without a word
+        note(f"stopped by {error}; every rank was stopped")
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a stream closed or gone: nothing left to show
+            stream.flush()
+    signal.signal(error.signum, signal.SIG_DFL)
+    os.kill(os.getpid(), error.signum)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError, note
-from . import closed, failures, jobdir, lifeline, progress, shipping, spawned, streams
+from . import closed, jobdir, lifeline, progress, shipping, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
 from .outcome import (
@@ -100,7 +100,7 @@ class Signals:
         for s, handler in self.previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler set outside Python
         if isinstance(error, Stopped):  # a script that lets it reach its top level ends as the signal would end it
-            failures.uncaught_ends_as_signal()
+            progress.hook_failures()
 
     def _stop(self, signum: int, frame: Any) -> None:
         if not self.held:

@@ -5,6 +5,7 @@ the file's layout: protocol.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import re
@@ -13,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from ..errors import UsageError, note
-from . import closed, jobdir, protocol
+from . import closed, failures, jobdir, protocol
 from .lifeline import inherited
 from .protocol import LOST_PEER, MARK, PROGRESS, SLOT, TIMED_OUT_STATE, Slot  # noqa: F401 (MARK, SLOT: for tests)
 
@@ -22,8 +23,6 @@ TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operati
 # how a wait reads that ended because another process went away (gloo, the store, NCCL): not the cause
 LOST = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|ECONNRESET|EPIPE|remote process exit")
 
-_slot: Slot | None = None
-_hooked = False  # whether this rank's failures are told to its launcher (hook_failures)
 # the jobs open in this process (yourloop/job_state.py's JobState), newest last: module level, as the process's
 # excepthook and torch's step hooks (process-wide) must reach them; each reads an error in one line (`explain`)
 _open: list = []
@@ -33,12 +32,12 @@ def progress() -> None:
     """Say that this process moved on (a batch was served). Cheap enough for every batch: one store into
     memory shared with the launcher (nothing at all leaves the process outside a job multicard started).
     When a rank times out waiting for another, our launcher names the rank that stopped making progress."""
-    (_slot if _slot is not None else progress_slot()).last = time.monotonic()
+    progress_slot().last = time.monotonic()
 
 
 def read_batch() -> None:
     """A loader that every process reads whole served this process a batch (one store, as progress())."""
-    (_slot if _slot is not None else progress_slot()).batches += 1
+    progress_slot().batches += 1
 
 
 def pass_ended() -> None:
@@ -115,16 +114,26 @@ def by_closed_stdout(error: BaseException) -> bool:
 
 
 def hook_failures() -> None:
-    """In a rank of a job our launcher started, an error that ends it is told to the launcher, which says once
-    what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
-    another rank lost (that rank is the one to name: here, one line instead of gloo's traceback)."""
-    global _hooked
-    if _hooked or not progress_slot().mapped:
+    """multicard's one sys.excepthook, put in front of the one found, once per process (it marks itself). An
+    error that reaches the top of the program is first read by the jobs open in it (one line for torch's error,
+    or a note under its message); a Stopped ends the process as its signal would (failures.end_as_signal). In a
+    rank of a job our launcher started, how it failed is told to the launcher, which says once what went wrong: a
+    timeout (it names the rank waited for), a bad input (one line, not a traceback per rank), another rank lost
+    (that rank is the one to name: one line instead of gloo's traceback). Anything else: the hook found before."""
+    previous = sys.excepthook
+    if getattr(previous, "multicard", False):
         return
-    _hooked, previous = True, sys.excepthook
 
     def hook(kind, error, trace):
-        error = explained(error)
+        if isinstance(error, failures.Stopped):
+            failures.end_as_signal(error)
+            return
+        said = explained(error)
+        if said is not error:
+            kind, error, trace = type(said), said, None
+        if not progress_slot().mapped:
+            previous(kind, error, trace)
+            return
         failed(error)
         if by_closed_stdout(error):
             closed.end_by_sigpipe()
@@ -136,6 +145,7 @@ def hook_failures() -> None:
         else:
             previous(kind, error, trace)
 
+    hook.multicard = True
     sys.excepthook = hook
 
 
@@ -160,18 +170,16 @@ def slot_timed_out() -> None:
     progress_slot().state = TIMED_OUT_STATE
 
 
+@functools.cache  # mapped once a process, on first use: the file the launcher named it for its life
 def progress_slot() -> Slot:
     """This rank's slot in the file our launcher made (PROGRESS names it), mapped into memory; plain numbers (read
     by nobody) in any other process, and where the variable names a file that is not such a slot: the variable
     alone never makes this process write into a file."""
-    global _slot
-    if _slot is None:
-        path = os.environ.get(PROGRESS)
-        slot = protocol.mapped(path) if path and not inherited() else Slot()
-        if slot is None:
-            note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
-        _slot = Slot() if slot is None else slot
-    return _slot
+    path = os.environ.get(PROGRESS)
+    slot = protocol.mapped(path) if path and not inherited() else Slot()
+    if slot is None:
+        note(f"{PROGRESS}={path} is not a progress file a multicard launcher made; ignored")
+    return Slot() if slot is None else slot
 
 
 def new_slot(path: str) -> None:

@@ -24,7 +24,7 @@ from ..checkpoints import plain as checkpoint
 from ..checkpoints.saves import claim
 from ..data.loaders import on_card
 from ..errors import UsageError, say
-from ..jobs import failures, lifeline, spawned
+from ..jobs import lifeline, progress, spawned
 from ..jobs.failures import RankFailed, Stopped, said
 from ..yourloop.loggers import TensorBoardLogger
 from ..yourloop.memory import MB
@@ -112,7 +112,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
                 claim(output.root, start.checkpoint, output.check_checkpoints)
             summary = mc.launch(worker, *args, config, recipe, run, start.checkpoint, restarts)
             if isinstance(summary, Halted):  # every rank saved and stopped: the job ends as the signal ends it
-                failures.uncaught_ends_as_signal()  # (a script that leaves it uncaught: one line, then the signal)
+                progress.hook_failures()  # (a script that leaves it uncaught: one line, then the signal)
                 raise Stopped(summary.signum)
         except RankFailed as e:
             output.discard(run)

@@ -53,6 +53,7 @@ class JobState:
         if self.strategy.world > 1 or getattr(self.strategy, "sharded", False):
             self._hook = register_optimizer_step_pre_hook(self._before_step)
         progress.job_opened(self)
+        progress.hook_failures()  # an error that ends the process is read by the open jobs (the one excepthook)
 
     def close(self) -> None:
         if self._hook is not None:
