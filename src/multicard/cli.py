@@ -152,9 +152,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.script:  # the script's own training on one process and on N
+        from .tools.check_script import run
+
+        return run(args, given(args))
     from .tools.parity import check
 
-    results = check(config_from(args), args.steps, args.tolerance)  # only the flags check uses are taken
+    steps = 20 if args.steps is None else args.steps
+    results = check(config_from(args), steps, args.tolerance)  # only the flags check uses are taken
     for result in results:
         print("\n".join(result.lines()))
     return 0 if all(r.ok for r in results) else 1
@@ -208,12 +213,20 @@ def parser() -> argparse.ArgumentParser:
                        "mnist-5k, the default recipe); what it writes: docs/outputs.md.")
     add_config_flags(t)
     t.set_defaults(run=cmd_train)
-    c = sub.add_parser("check", help=f"parity: {CHECK}",
-                       description=f"Parity: {CHECK}; exit status 1 where they differ by more than --tolerance.")
+    c = sub.add_parser("check", help=f"parity: {CHECK}; or your script's training on one process vs N",
+                       description=f"Parity: {CHECK}; exit status 1 where they differ by more than --tolerance. "
+                       "With a script (multicard check [--devices D] [--strategy ddp|dp|dp-balanced] script.py "
+                       "[its arguments]): the script runs twice, on one process and on N, in this folder, and its "
+                       "set-up models' weights are compared after each optimizer step (docs/cli.md).")
     add_config_flags(c, CHECK_FLAGS)
-    c.add_argument("--steps", type=int, default=20, help="optimizer steps on each side (default: 20)")
+    c.add_argument("--steps", type=int, help="optimizer steps on each side (default: 20; with a script: every step "
+                   "it takes, else the first K, the script ending there)")
     c.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest allowed difference of a gradient or a weight (default: 1e-4)")
+    c.add_argument("script", nargs="?", help="your script (one written for multicard run), then its own arguments: "
+                   "run on one process and on --devices (default: every card, else cpu:2), its set-up models' "
+                   "weights compared after each optimizer step")
+    c.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     c.set_defaults(run=cmd_check)
     r = sub.add_parser("run", help="run your own script (one using multicard.Multicard) in every process it needs",
                        description="Start SCRIPT (or -m MODULE) as every process of a job on this machine, like "
