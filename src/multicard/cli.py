@@ -1,7 +1,5 @@
 """The command line: multicard train | run | check | bench | env. Flags come from the TrainConfig fields.
-
-Imports stay light here (no torch at module level): `multicard --help` must answer at once.
-"""
+Imports stay light here (no torch at module level): `multicard --help` must answer at once."""
 
 from __future__ import annotations
 
@@ -158,8 +156,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return run(args, given(args))
     from .tools.parity import check
 
-    steps = 20 if args.steps is None else args.steps
-    results = check(config_from(args), steps, args.tolerance)  # only the flags check uses are taken
+    steps = 20 if args.steps is None else args.steps  # (only the flags check uses are taken into the config)
+    results = check(config_from(args), steps, args.tolerance)
     for result in results:
         print("\n".join(result.lines()))
     return 0 if all(r.ok for r in results) else 1
