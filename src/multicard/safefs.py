@@ -182,7 +182,7 @@ class Folder:
             raise UsageError(f"{what or path}: cannot be opened as a folder ({e.strerror})") from None
 
     @classmethod
-    def again(cls, made: Made, what: str) -> Folder:
+    def reopened(cls, made: Made, what: str) -> Folder:
         """In another process: the folder `made` names, only where it is still that one (not a link, not
         another folder put under its name)."""
         try:

@@ -38,7 +38,7 @@ def is_shards_name(path: Path, name: str) -> bool:
     return re.fullmatch(re.escape(f"{path.stem}.shards-") + r"\d+", name) is not None
 
 
-def fresh(path: Path, save: int) -> safefs.Folder:
+def new_folder(path: Path, save: int) -> safefs.Folder:
     """Rank 0, before a save: a new folder for its shards, made here and now and held open (mkdir never goes
     through a link, nor into a folder already there: an earlier save's, still named by the checkpoint, or a
     user's)."""
@@ -66,7 +66,7 @@ def take(path: Path, name: str, ino: int) -> safefs.Folder:
         return parent.take(name, f"shards folder {parent.shown / name}", ino)
 
 
-def still(path: Path, held: safefs.Folder) -> bool:
+def still_held(path: Path, held: safefs.Folder) -> bool:
     """Rank 0, once DCP has written: whether the name the checkpoint gives is still the folder written into."""
     with safefs.Folder.open(path.parent) as parent:
         return parent.holds(held.shown.name, held)

@@ -60,7 +60,7 @@ class Share:
                 habits.dealt(rows, mine)
         return part(batch, rank, world, dim)
 
-    def claim(self, inputs: Any) -> float:
+    def weight_for(self, inputs: Any) -> float:
         """The weight of a forward on `inputs` (its arguments): the split's, where some input tensor holds this
         process's rows of it (or no input is a tensor); else 1, and the split's weight ends there."""
         weight, rows, dim = self.weight, self.rows, self.dim

@@ -44,7 +44,7 @@ from .outcome import (
     slot_path,
     stop,
     to_group,
-    told,
+    what_rank_left,
 )
 from .protocol import OURS, Handed, to_env
 
@@ -208,7 +208,7 @@ def _blocked(signum: int) -> Iterator[None]:
 def _failure(rank: int, processes: list, folder: str, passed: set[int] = frozenset()) -> Exception:
     """What to raise for the failed `rank`: what it said of itself, else the rank it timed out waiting for,
     else its bad input, its traceback, or how it ended (`passed`: the signals this launcher passed on)."""
-    kind, text = told(folder, rank)
+    kind, text = what_rank_left(folder, rank)
     if kind == "said":  # it was interrupted or stopped, by a signal to it alone
         return RankFailed(rank, text, meant=True)
     if not kind and processes[rank].exitcode == spawned.UNGUARDED:
@@ -272,7 +272,7 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
             rank, code = failed
             if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: nothing to say
                 return closed.SIGPIPE_EXIT
-            kind, text = told(folder, rank)
+            kind, text = what_rank_left(folder, rank)
             if kind == "usage":  # the same bad input on every rank: said once
                 note(f"error: {text}")
                 return 2

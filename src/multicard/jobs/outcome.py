@@ -182,7 +182,7 @@ def _wait(p, timeout: float) -> bool:
     return not _running(p)
 
 
-def told(folder: str, rank: int) -> tuple[str, str]:
+def what_rank_left(folder: str, rank: int) -> tuple[str, str]:
     """What rank `rank` left in the job's folder of how it failed (progress.tell_launcher): (kind, text), or empty."""
     try:
         with open(os.path.join(folder, f"error-{rank}"), "rb") as f:

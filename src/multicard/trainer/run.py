@@ -155,7 +155,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     model and data. Rank 0 writes the run's files into `run`, its folder, and its checkpoints into the --out that
     folder lies in (never found again by its path); `resume` names a checkpoint to go on from."""
     begin = time.perf_counter()
-    folder = safefs.Folder.again(run, f"run folder {run.path}") if run is not None and mc.is_main else None
+    folder = safefs.Folder.reopened(run, f"run folder {run.path}") if run is not None and mc.is_main else None
     out = held_out(folder, config.out) if folder is not None else None
     run = folder.via if folder is not None else None  # written through the folder made, never again by its name
     given_optimizer, given_scheduler, every = recipe

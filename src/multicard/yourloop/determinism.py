@@ -25,7 +25,7 @@ def environment() -> dict[str, str]:
     return {ENV: "1", CUBLAS: os.environ.get(CUBLAS, WORKSPACE)}
 
 
-def settle(asked: bool, strategy: object) -> bool:
+def chosen(asked: bool, strategy: object) -> bool:
     """Whether this Multicard is deterministic: asked here, or by the launcher (ENV=1). The answer travels with
     the strategy to the processes Multicard.launch starts (processes.launched). If so, torch is set for it in this
     process at once: before its first cuBLAS call, and before it starts any process (which inherits the cuBLAS

@@ -86,7 +86,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
         self.job = job_from_env()
         strategy = make_strategy(strategy, devices, precision, self.job, find_unused_parameters=find_unused_parameters,
                                  fsdp_blocks=fsdp_blocks, reshard_after_forward=reshard_after_forward, timeout=timeout)
-        self.deterministic = determinism.settle(deterministic, strategy)
+        self.deterministic = determinism.chosen(deterministic, strategy)
         self._strategy, self.precision, self.sync_batchnorm = strategy, precision, sync_batchnorm
         self._phase = "new"  # new -> started (this process joined its job) -> closed
         self._job_state: JobState | None = None  # what the job knows in this process, while it is joined

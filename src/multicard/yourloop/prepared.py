@@ -60,7 +60,7 @@ class Prepared(nn.Module):
         if self._reduced and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._arm()
         job = self._job
-        weight = job.share.claim((args, kwargs)) if self._reduced else 1.0  # this forward's rows of an uneven split
+        weight = job.share.weight_for((args, kwargs)) if self._reduced else 1.0  # its rows of an uneven split
         job.habits.forwarded()
         if self._reduced:  # 2+ processes: the first training forward compares its inputs (alike.py)
             job.inputs.forwarded((args, kwargs), self.training)

@@ -46,7 +46,7 @@ CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loa
           "warn|off")
 
 
-def settle(mode: str | None, every: int | None) -> tuple[str, int]:
+def mode_and_every(mode: str | None, every: int | None) -> tuple[str, int]:
     """The mode and the steps between checks: as given, else from multicard run's flags (the environment),
     else stop and rules.REPLICA_CHECK_EVERY; a bad value is one line."""
     if mode is None:
@@ -69,7 +69,7 @@ class ReplicaCheck:
     cost) on one process or when off."""
 
     def __init__(self, strategy: Strategy, mode: str | None = None, every: int | None = None):
-        self.mode, self.every = settle(mode, every)
+        self.mode, self.every = mode_and_every(mode, every)
         self.strategy, self.steps, self.warned, self.closed = strategy, 0, False, False
         self.models: list[tuple[str, nn.Module]] = []  # (the model's class name, the user's model)
         self.optimizers: list[torch.optim.Optimizer] = []  # set up: their step() calls are counted here

@@ -36,7 +36,7 @@ def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple
     the folder (with the sums of its files), and on rank 0 the other ranks' random streams."""
     held, failed = None, None
     try:
-        held = shards.fresh(path, mc._saves) if mc.is_main else None
+        held = shards.new_folder(path, mc._saves) if mc.is_main else None
     except UsageError as e:
         failed = str(e)
     said = mc.broadcast(failed or (held and (held.shown.name, held.made.ino)))
@@ -52,7 +52,7 @@ def _sharded(mc: Any, path: Path, state: dict[str, Any], streams: dict) -> tuple
     with held:
         rest, info = shards.save(held, state, mc.unwrap)
         kept = mc.gather((streams, sums.of_files(held, mc.rank)))
-        if mc.is_main and not shards.still(path, held):
+        if mc.is_main and not shards.still_held(path, held):
             raise UsageError(safefs.replaced(f"shards folder {held.shown}"))
     info["sums"] = {name: crc for _, found in kept for name, crc in found.items()}
     return rest, info, {r: got for r, (got, _) in enumerate(kept) if r}
