@@ -1,7 +1,8 @@
-"""N processes take one process's steps, round 3 (issue 36): a collective per evaluation batch, random draws cut
-as the loader deals, a summed loss, a stale uneven weight, a sampler's own draws read whole, a shape by the
-global batch, an EMA of the set-up model, and a resumed loader skipped twice. Each on 1, 2 and 3 gloo
-processes (one job a world size), against the plain one-process script computed here."""
+"""N processes take one process's steps through the habits of common scripts (issue 36): a collective per
+evaluation batch, random draws cut as the loader deals, a summed loss, a stale uneven weight, a sampler's own draws
+read whole, a shape by the global batch, an EMA of the set-up model, and a resumed loader skipped twice. Each on 1, 2
+and 3 gloo processes (one job a world size, all the habits in it), against the plain one-process script computed
+here."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def resumed(mc: Multicard, out: dict, path: str) -> None:
     out["skipped_again"] = run(stop=None, skip=3)
 
 
-def steps3_job(mc: Multicard, folder: str) -> list[dict]:
+def habits_job(mc: Multicard, folder: str) -> list[dict]:
     out: dict = {}
     for part in (evaluation, cuts, summed, stale, sampler_draws, ema, resumed):
         try:  # each item on its own: one that fails leaves the others their say
@@ -223,8 +224,8 @@ def said(ranks: list[dict], part) -> None:
 
 @pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
-    folder = str(tmp_path_factory.mktemp(f"steps3_{request.param}"))
-    return multicard.launch(steps3_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=300)
+    folder = str(tmp_path_factory.mktemp(f"habits_{request.param}"))
+    return multicard.launch(habits_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=300)
 
 
 def test_every_process_gets_as_many_evaluation_batches_and_each_sample_once(ranks):
