@@ -1,19 +1,29 @@
-"""Shared test helpers: run the CLI in a fresh interpreter, and tiny in-memory data."""
+"""Shared test helpers: run the CLI in a fresh interpreter, tiny in-memory data, the processes a test starts (and
+what they leave running), and an --out made by hand or by a small run."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
+import multicard
+from multicard import safefs
 from multicard.data.images import ImageData
 from multicard.data.loaders import shard
+from multicard.jobs import progress
+from multicard.models import LeNet5
 from multicard.yourloop import determinism
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,3 +135,138 @@ def sharded(dataset, batch: int, *, train: bool = True, rank: int = 0, world: in
                         generator=torch.Generator().manual_seed(seed) if shuffle else None)
     return shard(loader, train=train, rank=rank, world=world, device=torch.device("cpu"),
                  local_batch=lambda b, k=1: b // (world * k), **options)
+
+
+# -- the processes a test starts, and what they leave -----------------------------------------------------------------
+JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", progress.PROGRESS)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES and not k.startswith("SLURM_")}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def stat(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [state, ppid, pgrp, ...]; ["X"] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return ["X"] * 20
+
+
+def running(pids) -> list[int]:
+    return [pid for pid in pids if stat(pid)[0] not in ("X", "Z")]
+
+
+def gone(pids_of, within: float) -> bool:
+    """Whether the processes that pids_of() lists are all gone within `within` seconds."""
+    deadline = time.monotonic() + within
+    while pids_of() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not pids_of()
+
+
+def left(tmp_path: Path) -> list[int]:
+    """The processes a test's job left running: each is started with TMPDIR at the test's own folder (ranks lead
+    sessions of their own, so the launcher's process group does not hold them)."""
+    mark, found = f"TMPDIR={tmp_path}".encode(), []
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return running(found)
+
+
+@pytest.fixture
+def nothing_left(tmp_path):
+    """Whatever a test started is gone once it ends, passed or failed."""
+    yield
+    for pid in left(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def session(command: list[str], tmp_path: Path, cwd: Path | str) -> subprocess.Popen:
+    """`command` in a session of its own, with TMPDIR at the test's folder, its output read here as text."""
+    return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(TMPDIR=str(tmp_path)), start_new_session=True)
+
+
+def started(tmp_path: Path, body: str, *args: str) -> subprocess.Popen:
+    """`body` as the script job.py, run in a session of its own."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(body))
+    return session([sys.executable, str(tmp_path / "job.py"), *args], tmp_path, tmp_path)
+
+
+def ended(process: subprocess.Popen, within: float) -> tuple[int, str, str]:
+    """Its exit status, stdout and stderr; killed with its whole group if it has not ended `within` seconds."""
+    try:
+        out, err = process.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"still running after {within} s: {err[-2000:]}")
+    return process.returncode, out or "", err
+
+
+# -- an --out made by hand (an earlier run's checkpoints), and small runs into one ------------------------------------
+OLD = "20240101T000000-abcdef"  # an earlier run's id, as multicard makes them
+
+
+def earlier(out: Path, steps=(1, 2, 3), run: str = OLD, started: str | None = None) -> list[Path]:
+    """--out/checkpoints as a run `run` leaves it: step folders with its marker and a state.pt, and run.json."""
+    made = []
+    for step in steps:
+        folder = out / "checkpoints" / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        torch.save(head(f"{run} {step}", step), folder / "state.pt")
+        (folder / ".multicard").write_text(run + "\n")
+        made.append(folder)
+    (out / "checkpoints" / "run.json").write_text(json.dumps({"run": run, "from": started}))
+    return made
+
+
+def head(note: str, steps: int) -> dict:
+    """The smallest state.pt --resume auto takes as a checkpoint of multicard train, with a note to tell it by."""
+    return {"config": {"batch_size": 24, "epochs": 1}, "loader": {"epoch": 0, "samples": 0}, "steps": steps,
+            "history": [], "note": note}
+
+
+def note(state: Path) -> str:
+    return torch.load(state, weights_only=True)["note"]
+
+
+def states(out: Path) -> list[str]:
+    """The contents of every state.pt under --out, wherever it was moved."""
+    return sorted(note(p) for p in out.rglob("state.pt") if safefs.kind(p) == "file")
+
+
+def train(out: Path, **overrides) -> dict:
+    torch.manual_seed(0)
+    return multicard.train(LeNet5(), tiny_images(48), None, out=str(out), **{
+        **dict(quiet=True, strategy="single", devices="cpu", batch_size=24, epochs=1), **overrides})
+
+
+def bounded(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`code` in a child process that must end within `timeout` seconds (a FIFO opened for reading would block)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+class Small(nn.Sequential):
+    """A model small enough that a run of a few steps costs little (LeNet-5's steps are what other tests time)."""
+
+    def __init__(self):
+        super().__init__(nn.Flatten(), nn.Linear(784, 10))
+
+
+def light(out: Path, model: nn.Module | None = None, **overrides) -> dict:
+    """A run of Small on 48 images, 2 steps an epoch, into `out`."""
+    torch.manual_seed(0)
+    return multicard.train(model or Small(), tiny_images(48), None, out=str(out), **{
+        **dict(quiet=True, strategy="single", devices="cpu", batch_size=24, epochs=1), **overrides})

@@ -1,10 +1,11 @@
-"""The command line, each run in a fresh interpreter: help, a small end-to-end run, env, and bad input answered
-with exit code 2 and one line (never a traceback, never a damaged --out folder)."""
+"""The command line, each run in a fresh interpreter: help, a small end-to-end run, env, and bad input answered with
+exit code 2 and one line (never a traceback, never a damaged --out folder); Ctrl-C while the command line is read."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -240,3 +241,12 @@ def test_an_out_that_cannot_be_a_folder_is_one_line(where, tmp_path, capsys):
     err = capsys.readouterr().err
     assert returncode == 2 and err.count("\n") == 1 and err.startswith(f"multicard: error: --out {out}: "), err
     assert blocker.read_bytes() == b"the user's own file"
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_one_line():
+    code = ("from multicard import cli\n"
+            "def parser():\n    raise KeyboardInterrupt\n"
+            "cli.parser = parser\ncli.entry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+    assert (out.returncode, out.stderr) == (130, "multicard: interrupted\n")

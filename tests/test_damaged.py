@@ -1,6 +1,7 @@
-"""Issue 33, item 2: a damaged checkpoint loads silently. A bit flipped in a tensor's bytes (model.pt, a
-checkpoint's state.pt, a user's mc.save file, an fsdp shard file) is one line naming the file; --resume auto goes
-on from the next older checkpoint and says so; a run.json that names no run is said, not ignored."""
+"""Issue 33, item 2: a damaged checkpoint loads silently. A bit flipped in a tensor's bytes (model.pt, a checkpoint's
+state.pt, a user's mc.save file, an fsdp shard file) is one line naming the file; --resume auto goes on from the next
+older checkpoint and says so; a run.json that names no run is said, not ignored; a state.pt cut short, a damaged
+model.pt given to --resume and a flipped byte in fsdp's .metadata are named as what they are."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import torch
 from torch import nn
 
 import multicard
+from conftest import light, train
 from multicard.checkpoints import plain as checkpoint
 from multicard.checkpoints import resume
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 from multicard.trainer.config import TrainConfig
 from multicard.trainer.start import Start, decide
-from test_hostile3 import train
 
 
 def flip(path: Path, entry: str = "data/0", at: int = 10) -> None:
@@ -207,3 +208,43 @@ def test_resume_auto_passes_over_a_damaged_fsdp_shard(tmp_path, kind):
     assert start.checkpoint == older / "state.pt"
     assert f"not from the newer {newer.name} is damaged (its shards: its shard file {shard.name} fails its CRC-32)" \
         in start.line
+
+
+# -- damage that falls back, named truly ------------------------------------------------------------------------------
+def test_resume_auto_passes_over_a_state_pt_cut_short_and_says_why(tmp_path, capsys):
+    light(tmp_path, save_every_steps=1, keep_checkpoints=0)
+    older, newer = resume.whole(tmp_path)
+    raw = (newer / "state.pt").read_bytes()
+    (newer / "state.pt").write_bytes(raw[:-1])  # one byte short
+    capsys.readouterr()
+    summary = light(tmp_path, resume="auto")
+    assert summary["resumed_from"] == str(older / "state.pt")
+    said = capsys.readouterr().out
+    assert f"multicard: resuming from {older / 'state.pt'} (epoch 1, 24 samples in, after 1 optimizer steps); not " \
+           f"from the newer {newer.name} is unreadable (its state.pt: PytorchStreamReader failed reading zip " \
+           f"archive: failed finding central directory)" in said
+
+
+def test_a_damaged_model_pt_given_to_resume_is_named_as_itself(tmp_path):
+    light(tmp_path / "run")
+    model = (tmp_path / "run" / "model.pt").resolve()
+    flip(model)
+    with pytest.raises(UsageError, match=r"^--resume .*model\.pt: damaged: its model\.pt: its data/0 fails its "
+                                         r"CRC-32, so its bytes are not those its save wrote"):
+        light(tmp_path / "other", resume=str(model))
+
+
+def test_a_flipped_byte_in_fsdps_metadata_is_damage_naming_the_file(tmp_path):
+    mc = multicard.Multicard("fsdp", "cpu")
+    model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    mc.save(tmp_path / "ckpt.pt", {"model": model})
+    metadata = tmp_path / "ckpt.shards-1" / ".metadata"
+    raw = bytearray(metadata.read_bytes())
+    raw[raw.index(b"TensorStorageMetadata") + 3] ^= 0x01  # a class name no longer DCP's: read as planted, before
+    metadata.write_bytes(bytes(raw))
+    with pytest.raises(UsageError) as refused:
+        mc.load(tmp_path / "ckpt.pt", {"model": model})
+    assert str(refused.value) == f"shards folder {metadata.parent}: damaged: its .metadata fails its CRC-32, so its " \
+                                 f"bytes are not those its save wrote; load an earlier checkpoint, or write this one " \
+                                 f"again"
+    mc.close()

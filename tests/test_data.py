@@ -1,5 +1,6 @@
-"""Data: IDX validation on small generated files, the embedded mnist-5k split, ImageData, synthetic data, and the
-checksummed download (served from memory: no test touches the network)."""
+"""Data: IDX validation on small generated files (a .gz whose header claims more than the memory, a container's limit or
+ulimit -v leaves is refused before reading), the embedded mnist-5k split, ImageData, synthetic data, and the checksummed
+download (served from memory: no test touches the network)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import gzip
 import hashlib
 import http.client
 import io
+import re
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 import urllib.error
 import urllib.request
@@ -21,8 +26,9 @@ import torch
 from torch.utils.data import RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from conftest import HUNG_S, ROOT
 from multicard import data
-from multicard.data import idx, mnist5k, synthetic
+from multicard.data import headroom, idx, mnist5k, synthetic
 from multicard.data.images import ImageData
 from multicard.data.order import GlobalOrder, Permutation
 from multicard.errors import UsageError
@@ -250,6 +256,76 @@ def test_no_memory_for_the_claimed_shape_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(np, "empty", no_memory)
     with pytest.raises(UsageError, match=r"header \(10,\) needs 18 bytes of memory, more than this machine gives"):
         idx.read_idx(path, idx.LABELS_MAGIC)
+
+
+def test_a_gz_whose_header_claims_more_than_memory_is_refused_before_reading(tmp_path, monkeypatch):
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    images = np.zeros((1000, 28, 28), np.uint8)
+    path.write_bytes(gzip.compress((2051).to_bytes(4, "big") + b"".join(n.to_bytes(4, "big") for n in images.shape)
+                                   + images.tobytes()))
+    monkeypatch.setattr(idx, "available_memory", lambda: 1 << 20)
+    read = []
+    monkeypatch.setattr(np, "empty", lambda *a, **k: read.append(a) or np.zeros(*a, **k))
+    with pytest.raises(UsageError, match=r"its header \(1000, 28, 28\) needs 0.00 GiB of memory once read, more than "
+                                         r"the 0.00 GiB available"):
+        idx.read_idx(path, idx.IMAGES_MAGIC)
+    assert read == []  # refused before anything was allocated
+    monkeypatch.setattr(idx, "available_memory", lambda: 1 << 30)
+    assert idx.read_idx(path, idx.IMAGES_MAGIC).shape == (1000, 28, 28)
+
+
+def gz_bomb(path, items: int = idx.MAX_ITEMS, zeros: int = 64 << 20) -> None:
+    """A few hundred KB that claim `items` images and expand to `zeros` bytes of zeros (and would go on)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    with open(path, "wb") as f:
+        f.write(z.compress((2051).to_bytes(4, "big") + b"".join(n.to_bytes(4, "big") for n in (items, 28, 28))))
+        for _ in range(zeros >> 20):
+            f.write(z.compress(bytes(1 << 20)))
+        f.write(z.flush())
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_gz_bomb_under_a_containers_memory_limit_is_one_line_before_reading(tmp_path, monkeypatch, version):
+    """The machine has room for the header's 15 GB, the process's control group (a container, systemd-run -p
+    MemoryMax=4G) has not: refused from the group's limit, not read into the out-of-memory killer."""
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    gz_bomb(path)
+    cgroup, own = tmp_path / "cgroup", "system.slice/job.scope"
+    sub, limit, used, line = (("", "memory.max", "memory.current", f"0::/{own}") if version == "v2" else
+                              ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", f"4:memory:/{own}"))
+    (cgroup / sub / own).mkdir(parents=True)
+    (cgroup / sub / "system.slice" / limit).write_text(f"{4 << 30}\n")  # the limit is on a parent group
+    (cgroup / sub / "system.slice" / used).write_text(f"{1 << 30}\n")
+    (cgroup / sub / own / limit).write_text("max\n" if version == "v2" else f"{(1 << 63) - 4096}\n")
+    (cgroup / sub / own / used).write_text(f"{1 << 29}\n")
+    (tmp_path / "self").write_text(f"1:name=systemd:/\n{line}\n")
+    monkeypatch.setattr(headroom, "CGROUP", cgroup)
+    monkeypatch.setattr(headroom, "SELF", tmp_path / "self")
+    monkeypatch.setattr(headroom, "machine", lambda: 64 << 30)
+    assert headroom.available_memory() == 3 << 30
+    with pytest.raises(UsageError, match=r"its header \(4000000, 28, 28\) needs 14.60 GiB of memory once read, "
+                                         r"more than the 3.00 GiB available"):
+        idx.read_idx(path, idx.IMAGES_MAGIC)
+
+
+def test_a_gz_bomb_under_ulimit_v_is_one_line(tmp_path):
+    """Under an address-space limit (ulimit -v) the header's need is weighed against what the limit leaves."""
+    gz_bomb(tmp_path / "images.gz", items=1_000_000, zeros=8 << 20)
+    code = textwrap.dedent("""
+        import resource, sys
+        from multicard.data import idx
+        from multicard.errors import UsageError
+        vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))
+        try:
+            idx.read_idx(sys.argv[1], idx.IMAGES_MAGIC)
+        except UsageError as e:
+            print(e)
+    """)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "images.gz")], capture_output=True, text=True,
+                          timeout=HUNG_S, cwd=ROOT)
+    assert re.fullmatch(r".*images.gz: its header \(1000000, 28, 28\) needs 3.65 GiB of memory once read, more than "
+                        r"the [12]\.\d\d GiB available\n", done.stdout), done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
@@ -551,6 +627,22 @@ def test_synthetic_by_name_and_bad_size():
     assert len(train) == 64 and len(test) == 1024
     with pytest.raises(UsageError, match="--synthetic-samples 0"):
         data.load("synthetic", synthetic_samples=0)
+
+
+def test_synthetic_samples_beyond_memory_is_one_line():
+    from multicard import data
+
+    with pytest.raises(UsageError, match=r"--synthetic-samples 1000000000000: .* GiB of memory, more than"):
+        data.load("synthetic", synthetic_samples=10**12)
+    assert len(data.load("synthetic", synthetic_samples=8)[0]) == 8
+
+
+def test_too_many_workers_is_one_line():
+    from multicard.trainer.config import TrainConfig
+
+    with pytest.raises(UsageError, match=r"--workers 100000: at most \d+ DataLoader worker processes"):
+        TrainConfig(workers=100000).validate()
+    TrainConfig(workers=4).validate()
 
 
 @pytest.mark.parametrize("size, world", [(1, 1), (7, 1), (10, 3), (2, 5), (64, 4), (1000, 3)])

@@ -92,7 +92,7 @@ def test_exact_evaluation_shards_count_every_sample_once():
     assert sorted(i for s in shards for i in s) == list(range(1000))
 
 
-@pytest.mark.slow  # 2 processes train in the tests below; test_steps3.py deals the evaluation shards out on 2
+@pytest.mark.slow  # 2 processes train in the tests below; test_script_habits.py deals the evaluation shards out on 2
 def test_three_processes_train_and_evaluate_exactly(tmp_path):
     train, test = tiny_images(96), tiny_images(50, seed=1)  # 50 test samples do not split over 3
     summary = multicard.train(ThreadCheckedLeNet(), train, test, strategy="ddp", devices="cpu:3",

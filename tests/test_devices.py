@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from conftest import HUNG_S
+from conftest import HUNG_S, train
 from multicard import rules, strategies
 from multicard.errors import UsageError
 from multicard.jobs import devices
@@ -247,6 +247,16 @@ def test_local_batch_must_be_positive(batch):
     for strategy in (three_processes(), strategies.create("single", CPU1, Job())):
         with pytest.raises(UsageError, match=f"--batch-size {batch}: must be at least 1"):
             strategy.local_batch(batch)
+
+
+@pytest.mark.parametrize("flags", [dict(batch_size=10**9), dict(batch_size=None, accumulate=100)],
+                         ids=["batch", "accumulate"])
+def test_a_global_batch_larger_than_the_training_set_is_one_line(tmp_path, flags):
+    named = r"--batch-size \d+" if flags["batch_size"] else r"--accumulate 100 \(a global batch of \d+\)"
+    with pytest.raises(UsageError, match=named + r": the global batch is larger than the training set "
+                                                 r"\(48 samples\); choose at most 48"):
+        train(tmp_path, **flags)
+    assert not any(tmp_path.iterdir())  # refused before --out is touched
 
 
 # -- the cores a process may use, and how its threads wait (issue 34) --------------------------------------------

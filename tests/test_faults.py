@@ -1,6 +1,8 @@
-"""Never lose a run, never hang: signals to the launcher or to one rank, a launcher killed outright, a frozen rank,
-and a stale environment. Each end-to-end test runs a tiny `multicard train` in a process group of its own and
-kills whatever is left of that group when it ends."""
+"""Never lose a run, never hang: signals to the launcher or to one rank, a launcher killed outright, a frozen rank (one
+frozen in the kernel too), and a stale environment; the first failure named truly; orphans (a DataLoader worker, a
+helper a script started, a rank whose launcher is gone) end with the job; a library job (train, launch) stopped by
+SIGTERM, and a job whose stdout is closed (`| head`). Each end-to-end test runs a tiny `multicard train` in a process
+group of its own and kills whatever is left of that group when it ends."""
 
 from __future__ import annotations
 
@@ -11,26 +13,21 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 import multicard
-from conftest import HUNG_S, ROOT, run_cli
+from conftest import HUNG_S, JOB_VARIABLES, ROOT, clean_env, ended, gone, left, run_cli, running, session, started, stat
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, outcome, progress, protocol
+from multicard.jobs import dist, launcher, lifeline, outcome, progress, protocol
 from multicard.jobs.dist import Job
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
          "--quiet", "--no-augment"]
-JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "MULTICARD_LAUNCHER", "TORCHELASTIC_USE_AGENT_STORE", progress.PROGRESS)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES and not k.startswith("SLURM_")}
-    return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
 def dispositions(ignore_sigint: bool) -> None:
@@ -102,15 +99,6 @@ def processes() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
-def stat(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name: [state, ppid, pgrp, ...]; ["X"] once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()
-    except OSError:
-        return ["X"] * 20
-
-
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as f:
@@ -119,20 +107,8 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def running(pids) -> list[int]:
-    return [pid for pid in pids if stat(pid)[0] not in ("X", "Z")]
-
-
 def group(pgid: int) -> list[int]:
     return running(pid for pid in processes() if stat(pid)[2] == str(pgid))
-
-
-def gone(pids_of, within: float) -> bool:
-    """Whether the processes that pids_of() lists are all gone within `within` seconds."""
-    deadline = time.monotonic() + within
-    while pids_of() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not pids_of()
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", pytest.param("SIGHUP", marks=pytest.mark.slow),
@@ -384,6 +360,162 @@ def test_a_rendezvous_names_who_is_missing(monkeypatch):
         dist.rendezvous(Job(1, 3, launcher="torchrun"), 1)
 
 
+# -- the first failure, truly -----------------------------------------------------------------------------------------
+def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
+    folder = str(tmp_path)
+    for rank in range(3):
+        progress.new_slot(outcome.slot_path(folder, rank))
+    slot = protocol.mapped(outcome.slot_path(folder, 0))
+    slot.last, slot.timeout, slot.state = 1.0, 5.0, protocol.LOST_PEER
+    codes = {0: 1, 1: 3, 2: 0}
+    order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
+    ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
+    assert outcome.first_to_fail(3, ended, codes.get, folder) == 1
+    order[:] = [[0], [2]]  # no other failure within the grace: rank 0 is all there is to name
+    assert outcome.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
+
+
+def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
+    import pickle
+
+    folder = str(tmp_path)
+    for rank in range(2):
+        progress.new_slot(outcome.slot_path(folder, rank))
+    with open(os.path.join(folder, "error-1"), "wb") as f:
+        pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
+    meant = launcher._failure(1, [], folder)
+    assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
+    slot = protocol.mapped(outcome.slot_path(folder, 0))  # rank 0 timed out waiting: for a frozen rank 1
+    slot.last, slot.timeout, slot.state = 1.0, 5.0, protocol.TIMED_OUT_STATE
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        frozen = launcher._failure(0, [Alive(0), Alive(sleeper.pid)], folder)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert frozen.rank == 1 and "stopped making progress" in frozen.trace and not frozen.meant
+
+
+class Alive:
+    def __init__(self, pid: int):
+        self.pid, self.exitcode = pid, 1
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collectives(tmp_path, monkeypatch):
+    monkeypatch.setattr(outcome, "MISMATCH_S", 0.2)
+    folder = str(tmp_path)
+    now = time.monotonic()
+    for rank in range(3):
+        progress.new_slot(outcome.slot_path(folder, rank))
+
+    def show(rank: int, last: float, state: float) -> None:
+        slot = protocol.mapped(outcome.slot_path(folder, rank))
+        slot.last, slot.timeout, slot.state = last, 5.0, state
+
+    show(0, now - 6, protocol.TIMED_OUT_STATE)
+    show(1, now - 6, protocol.TIMED_OUT_STATE)
+    show(2, now - 5, protocol.TIMED_OUT_STATE)
+    assert outcome.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
+                                                   "and 2 for it: the ranks called different collectives (or the "
+                                                   "same ones in another order)")
+    show(2, now - 9, 0.0)  # rank 2 did not wait: it stopped making progress
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        rank, why = outcome.blame(0, {2: sleeper.pid}, folder, 3)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s")
+
+
+class Frozen:
+    """A process that SIGKILL does not end (one frozen by a cgroup freezer ends only once thawed)."""
+
+    pid, returncode, exitcode, sentinel = 999_999, None, None, -1
+    killed = False
+
+    def poll(self):
+        return None
+
+    def wait(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("waited on a frozen process without a limit")
+        time.sleep(min(timeout, 0.05))
+        raise subprocess.TimeoutExpired("frozen", timeout)
+
+    def is_alive(self):
+        return True
+
+    def join(self, timeout=None):
+        if timeout is None:
+            raise AssertionError("waited on a frozen process without a limit")
+        time.sleep(min(timeout, 0.05))
+
+    def terminate(self):
+        pass
+
+    def send_signal(self, signum):
+        pass
+
+    kill = terminate
+
+
+class FrozenCommand(Frozen, subprocess.Popen):
+    """Frozen, as multicard run holds its ranks."""
+
+    _child_created = False  # nothing for Popen's own __del__ to reap
+
+    def __new__(cls):
+        return object.__new__(cls)
+
+    def __init__(self):
+        pass
+
+
+@pytest.mark.parametrize("stop", ["run", "spawn"])
+def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch, capsys, stop):
+    monkeypatch.setattr(outcome, "KILLED_S", 0.2)
+    for name in ("kill", "killpg"):  # the signals for a process that is not there
+        monkeypatch.setattr(os, name, lambda pid, sig: None)
+    start = time.monotonic()
+    outcome.stop([FrozenCommand() if stop == "run" else Frozen()], grace_s=0.2)
+    assert time.monotonic() - start < 60  # its 0.2 s graces, not forever (a busy machine may take seconds)
+    assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
+
+
+def test_a_progress_variable_naming_a_users_file_writes_nothing_into_it(tmp_path, monkeypatch, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious data, 32 bytes of it!!\n")
+    monkeypatch.setenv(progress.PROGRESS, str(victim))
+    progress.progress_slot.cache_clear()
+    progress.progress()
+    progress.failed(RuntimeError("Timed out waiting 5000ms"))
+    assert victim.read_bytes() == b"precious data, 32 bytes of it!!\n"
+    assert capsys.readouterr().err.splitlines() == [
+        f"multicard: {progress.PROGRESS}={victim} is not a progress file a multicard launcher made; ignored"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_the_only_traceback_shown(tmp_path):
+    (tmp_path / "boom.py").write_text(
+        "import os\nimport torch\n\n\nclass Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.f, self.calls = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10)), 0\n\n"
+        "    def forward(self, x):\n        self.calls += 1\n"
+        "        if os.environ['RANK'] == '1' and self.calls == 3:\n            raise ValueError('boom on rank 1')\n"
+        "        return self.f(x)\n")
+    out = run_cli("train", "--model", f"{tmp_path / 'boom.py'}:Net", "--devices", "cpu:2", "--data", "synthetic",
+                  "--synthetic-samples", "2048", "--epochs", "1", "--quiet", "--out", str(tmp_path / "out"),
+                  env=clean_env(), timeout=HUNG_S)
+    assert out.returncode == 1
+    assert out.stderr.startswith("multicard: rank 1 failed; its traceback:\nTraceback")
+    assert out.stderr.count("Traceback") == 1 and out.stderr.rstrip().endswith("ValueError: boom on rank 1")
+    assert "gloo" not in out.stderr and "peer" not in out.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["launcher", "rank"])
 def test_with_workers_a_kill_leaves_no_process_behind(tmp_path, runs, victim):
@@ -470,6 +602,96 @@ def test_a_signal_to_the_whole_process_group_is_one_line(tmp_path, runs, name):
     assert code == 128 + getattr(signal, name)
     assert err.strip().splitlines() == [f"multicard: stopped by {name}; every rank was stopped"]
     assert gone(run.job, 5)
+
+
+# -- orphans: what a rank or its script started ends with the job -----------------------------------------------------
+@pytest.mark.parametrize("start", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # fork: Linux's default
+def test_a_dataloader_worker_hung_in_getitem_ends_with_the_job_when_its_rank_is_killed(tmp_path, start):
+    """A worker of a loader multicard set up, hung in __getitem__, when its rank is killed outright (the OOM
+    killer): the launcher stops the job, and the worker goes with its rank's process group."""
+    (tmp_path / "hangs.py").write_text(
+        "import os, time\nimport torch\nimport multicard\n"
+        "class Hangs(torch.utils.data.Dataset):\n    def __len__(self):\n        return 8\n"
+        "    def __getitem__(self, i):\n        print('worker', os.getpid(), flush=True)\n        time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    mc = multicard.Multicard()\n"
+        "    print('rank', os.getpid(), flush=True)\n"
+        f"    loader = torch.utils.data.DataLoader(Hangs(), 4, num_workers=1, multiprocessing_context='{start}')\n"
+        "    next(iter(mc.setup_dataloader(loader, train=False)))\n")
+    job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:1", "--quiet", "hangs.py"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}, start_new_session=True)
+    try:
+        said = dict(job.stdout.readline().split() for _ in range(2))  # the rank, then its worker in __getitem__
+        rank, worker = int(said["rank"]), int(said["worker"])
+        assert worker != rank and alive(worker)
+        os.kill(rank, 9)
+        assert job.wait(HUNG_S) == 128 + 9
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, 9)
+
+
+def test_a_rank_whose_launcher_is_gone_ends_and_never_publishes(monkeypatch, capsys):
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(lifeline, "_parent", os.getppid())
+    lifeline.end_if_orphaned(0)
+    assert killed == []  # its launcher is there
+    monkeypatch.setattr(lifeline, "_parent", os.getppid() + 1)  # as after the launcher died: another parent
+    lifeline.end_if_orphaned(3)
+    assert killed == [(os.getpid(), 9)]
+    err = capsys.readouterr().err
+    assert f"multicard: rank 3: its launcher (pid {os.getppid() + 1}) is gone; this rank ends" in err
+
+
+def test_a_launcher_killed_outright_takes_its_ranks_and_every_helper_they_started(tmp_path):
+    """SIGKILL to `multicard run`: each rank sees its launcher gone and ends with its whole process group, so a
+    helper the script started ends too, tied to the rank by the script itself or not (docs/distributed.md)."""
+    (tmp_path / "helpers.py").write_text(textwrap.dedent(f"""
+        import ctypes, os, signal, subprocess
+        import multicard
+        mc = multicard.Multicard(timeout=300)
+        tied = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
+        loose = subprocess.Popen(["sleep", "60"])
+        with open({str(tmp_path)!r} + f"/pids-{{mc.rank}}", "w") as f:
+            f.write(f"{{os.getpid()}} {{tied.pid}} {{loose.pid}}")
+        mc.barrier()
+        signal.pause()
+    """))
+    command = [sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", str(tmp_path / "helpers.py")]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=clean_env())
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 6 and time.monotonic() < deadline:
+            found = [tmp_path / f"pids-{r}" for r in range(2)]
+            pids = [int(p) for f in found if f.exists() for p in f.read_text().split()]
+            time.sleep(0.1)
+        assert len(pids) == 6
+        run.kill()
+        run.wait(10)
+        deadline = time.monotonic() + 10
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, pids))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended and not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 # -- issue 48: a rank lives as your script would -------------------------------------------------------------------
@@ -587,8 +809,6 @@ def test_every_stop_leaves_no_process_of_the_job_behind(tmp_path, stop):
     """Each rank of `multicard run` starts a process of its own and forks a worker (both stay in the process group
     the rank leads, as torchrun's ranks do); however the job is stopped, none of them is left, running or
     stopped."""
-    from test_hostile7 import left
-
     (tmp_path / "kids.py").write_text(KIDS)
     job = subprocess.Popen([sys.executable, "-m", "multicard", "run", "--devices", "cpu:2", "kids.py"], cwd=tmp_path,
                            env=clean_env(TMPDIR=str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -693,3 +913,125 @@ def test_a_stop_grace_that_is_no_number_of_seconds_is_one_line(grace):
                                         f"stop signal and SIGKILL (0 or more)")
     with pytest.raises(UsageError, match=rf"^stop_grace={float(grace)!r}: give the seconds"):
         multicard.launch(print, strategy="ddp", devices="cpu:2", stop_grace=float(grace))
+
+
+# -- a library job (train, launch) stopped by SIGTERM -----------------------------------------------------------------
+def up(process: subprocess.Popen, ranks: int, within: float = 120) -> None:
+    """Wait until every rank has said "up" on stdout."""
+    deadline, seen = time.monotonic() + within, 0
+    while seen < ranks:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        seen += process.stdout.readline().count("up")  # print writes "up" and "\n" apart: lines may interleave
+
+
+LIBRARY_JOB = """
+    import sys, time, torch, multicard
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    class Slow(nn.Linear):
+        def forward(self, x):
+            time.sleep(0.05)
+            return super().forward(x)
+
+    def job(mc):
+        print("up", flush=True)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        devices = f"cpu:{sys.argv[2]}"
+        if sys.argv[1] == "train":
+            data = TensorDataset(torch.randn(4608, 16), torch.randint(0, 2, (4608,)))
+            multicard.train(Slow(16, 2), data, None, out="out", devices=devices, strategy="ddp", epochs=50,
+                            batch_size=96, save_every_steps=2)
+        else:
+            multicard.launch(job, devices=devices)
+"""
+
+
+def sigterm_ends_the_library_job(tmp_path: Path, how: str, processes: int) -> None:
+    job = started(tmp_path, LIBRARY_JOB, how, str(processes))
+    if how == "train":  # --out holds an earlier run's files, which the stopped one leaves as they were
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "notes.txt").write_text("mine")
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "out").glob("checkpoints/step-*")):
+            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint came"
+            time.sleep(0.1)
+    else:
+        up(job, processes)
+    before = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    code, _, err = ended(job, 60)
+    assert code == -signal.SIGTERM, err
+    assert err.splitlines()[-1] == "multicard: stopped by SIGTERM; every rank was stopped", err
+    assert "Traceback" not in err
+    assert time.monotonic() - before < 30  # the ranks get 5 s after SIGTERM, then SIGKILL
+    assert gone(lambda: left(tmp_path), 10)
+    if how == "train":
+        assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")) == \
+            ["checkpoints", "notes.txt"]
+        assert (tmp_path / "out" / "notes.txt").read_text() == "mine" and not list((tmp_path / "out").glob(".run-*"))
+
+
+@pytest.mark.usefixtures("nothing_left")
+@pytest.mark.slow
+def test_sigterm_ends_a_train_call_and_its_ranks_as_the_signal_would(tmp_path):
+    sigterm_ends_the_library_job(tmp_path, "train", 2)
+
+
+@pytest.mark.usefixtures("nothing_left")
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_sigterm_ends_a_three_process_library_job(tmp_path, how):
+    sigterm_ends_the_library_job(tmp_path, how, 3)
+
+
+# -- a closed stdout (`| head`) ---------------------------------------------------------------------------------------
+TALKS = """
+    import multicard
+    mc = multicard.Multicard()
+    step = 0
+    while True:  # until stdout is closed under it
+        mc.all_reduce(1.0)
+        mc.print(f"line {step}")
+        step += 1
+"""
+
+
+def head_of_multicard_run(tmp_path: Path, processes: int) -> None:
+    """`multicard run script.py | head -2`: the reader goes after two lines; the job ends as `yes | head -2`
+    does (by SIGPIPE, a shell shows 141), without a word on stderr, no rank left."""
+    (tmp_path / "job.py").write_text(textwrap.dedent(TALKS))
+    job = session([sys.executable, "-m", "multicard", "run", "--quiet", "--devices", f"cpu:{processes}",
+                   str(tmp_path / "job.py")], tmp_path, ROOT)
+    assert [job.stdout.readline() for _ in range(2)] == ["line 0\n", "line 1\n"]
+    job.stdout.close()  # what head does once it has its lines
+    code, _, err = ended(job, 60)
+    assert code == -signal.SIGPIPE and err == ""
+    assert gone(lambda: left(tmp_path), 10)
+
+
+@pytest.mark.usefixtures("nothing_left")
+@pytest.mark.slow
+def test_multicard_run_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
+    head_of_multicard_run(tmp_path, 2)
+
+
+@pytest.mark.usefixtures("nothing_left")
+@pytest.mark.slow
+def test_multicard_run_of_three_into_a_closed_pipe_ends_quietly_by_sigpipe(tmp_path):
+    head_of_multicard_run(tmp_path, 3)
+
+
+@pytest.mark.usefixtures("nothing_left")
+@pytest.mark.slow
+def test_multicard_train_into_a_closed_pipe_ends_quietly_by_sigpipe_and_shows_nothing(tmp_path):
+    job = session([sys.executable, "-m", "multicard", "train", "--devices", "cpu:2", "--data", "synthetic",
+                   "--synthetic-samples", "512", "--epochs", "3", "--out", str(tmp_path / "out")], tmp_path, ROOT)
+    assert job.stdout.readline().startswith("multicard: training LeNet5")
+    job.stdout.close()
+    code, _, err = ended(job, 120)
+    assert code == -signal.SIGPIPE and err == ""
+    assert gone(lambda: left(tmp_path), 10)
+    assert list((tmp_path / "out").iterdir()) == []

@@ -1,10 +1,12 @@
-"""The front object (multicard.Multicard) in a user's own loop: single in this process, ddp over 2 and 3 gloo
-processes, dp and dp-balanced with CPU stand-ins; the loader contract; checkpoints; multicard.launch."""
+"""The front object (multicard.Multicard) in a user's own loop: single in this process, ddp over 2 and 3 gloo processes,
+dp and dp-balanced with CPU stand-ins; the loader contract; checkpoints; multicard.launch; the front object pickled (to
+a DataLoader worker)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import threading
 
@@ -407,3 +409,47 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_read():
     seen = multicard.launch(stop_reads, 2, signal.SIGTERM, strategy="ddp", devices="cpu:2")
     assert seen[0] == seen[1] and seen[0][1] == "SIGTERM"
     assert seen[0][0][-1] and not any(seen[0][0][:-1]) and len(seen[0][0]) >= 3
+
+
+# -- the front object pickles -----------------------------------------------------------------------------------------
+class Seen(torch.utils.data.Dataset):
+    """A dataset holding the Multicard, as a user hands it to the DataLoader's workers."""
+
+    def __init__(self, mc):
+        self.mc = mc
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.mc.print(f"a worker of rank {self.mc.rank}")  # rank 0's worker prints, the others do not
+        return torch.tensor([self.mc.rank, self.mc.world_size, self.mc.device.type == "cpu"])
+
+
+def pickled_job(mc, workers: int) -> list:
+    model = mc.setup(nn.Linear(2, 1))
+    sgd = mc.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(4, 2)).sum().backward()
+    sgd.step()
+    data = pickle.dumps(mc)
+    copy = pickle.loads(data)
+    loader = torch.utils.data.DataLoader(Seen(mc), batch_size=2, num_workers=workers,
+                                         multiprocessing_context="spawn" if workers else None)
+    return mc.gather((copy.rank, copy.world_size, copy.device.type, len(data), next(iter(loader)).tolist()))
+
+
+def test_the_front_object_pickles_without_its_models_and_a_copy_tells_its_rank(capfd):
+    mc = multicard.Multicard(devices="cpu")
+    [(rank, world, device, size, seen)] = mc.launch(pickled_job, 0)
+    assert (rank, world, device) == (0, 1, "cpu") and seen == [[0, 1, 1]] * 2
+    assert size < 4096  # the set-up model and optimizer stay behind: a copy compares nothing
+    assert capfd.readouterr().out == "a worker of rank 0\n" * 2
+
+
+@pytest.mark.slow  # each rank spawns a worker that imports torch: the pickling itself is the test above
+def test_a_spawned_dataloader_worker_gets_the_front_object_of_its_rank(capfd):
+    processes = 3
+    said = multicard.launch(pickled_job, 1, devices=f"cpu:{processes}")
+    assert [row[:3] for row in said] == [(r, processes, "cpu") for r in range(processes)]
+    assert [row[4] for row in said] == [[[r, processes, 1]] * 2 for r in range(processes)]
+    assert capfd.readouterr().out == "a worker of rank 0\n" * 2

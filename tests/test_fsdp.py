@@ -1,9 +1,12 @@
-"""fsdp on the CPU: FSDP2 with gloo and an explicit CPU device mesh, the same fully_shard code NCCL runs on cards."""
+"""fsdp on the CPU: FSDP2 with gloo and an explicit CPU device mesh, the same fully_shard code NCCL runs on cards; its
+checkpoints read into another model or under fsdp from another strategy in one line, and its saves keeping what the user
+had beside them."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from torch import nn
 
 import multicard
 from conftest import cuda, rehearsal, tiny_images
+from multicard import safefs
 from multicard.errors import UsageError
 from multicard.models import LeNet5, WideMLP
 from multicard.strategies.fsdp import units
@@ -78,6 +82,85 @@ def test_a_sharded_checkpoint_under_another_strategy_is_one_line(two):
     mc = multicard.Multicard("single", "cpu")
     with pytest.raises(UsageError, match="written under fsdp"):
         mc.load(out / "checkpoints" / "step-00000003" / "state.pt", {"model": mc.setup(LeNet5())})
+
+
+def test_dcps_checkpoint_exception_is_one_line():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from multicard.checkpoints import shards
+
+    try:
+        raise KeyError("layer.weight missing")
+    except KeyError as e:
+        wrapped = CheckpointException("load failed", {1: (e, None), 0: (ValueError("size mismatch\nmore"), None)})
+    assert shards.first_failure(wrapped) == "ValueError: size mismatch"
+    assert "\n" not in shards.first_failure(wrapped)
+
+
+def test_a_sharded_checkpoint_into_another_model_is_one_line(tmp_path):
+    def body(mc, model, path, saving):
+        model = mc.setup(model)
+        state = {"model": model, "optimizer": mc.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))}
+        mc.save(path, state) if saving else mc.load(path, state)
+
+    multicard.Multicard("fsdp", "cpu:1").launch(body, LeNet5(), tmp_path / "state.pt", True)
+    assert (tmp_path / "state.pt").is_file()
+    with pytest.raises(UsageError, match=r"its shards in state\.shards-1 cannot be read into this model \(\w+: "):
+        multicard.Multicard("fsdp", "cpu:1").launch(body, torch.nn.Sequential(torch.nn.Linear(3, 2)),
+                                                    tmp_path / "state.pt", False)
+
+
+def test_a_ddp_checkpoint_with_optimizers_under_fsdp_is_one_line(tmp_path):
+    single = multicard.Multicard("single", "cpu")
+    model = single.setup(LeNet5())
+    single.save(tmp_path / "state.pt", {"model": model, "optimizer": torch.optim.Adam(model.parameters())})
+
+    def body(mc):
+        model = mc.setup(LeNet5())
+        mc.load(tmp_path / "state.pt", {"model": model})  # the model alone loads
+        mc.load(tmp_path / "state.pt", {"model": model, "optimizer": torch.optim.Adam(model.parameters())})
+
+    with pytest.raises(UsageError, match="written without fsdp, its optimizers' state is whole"):
+        multicard.Multicard("fsdp", "cpu:1").launch(body)
+
+
+def fsdp_saves_job(mc, folder: str) -> dict:
+    folder = Path(folder)
+    torch.manual_seed(0)  # the same weights in every process: fsdp copies none (the replica check compares them)
+    model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    for _ in range(2):
+        mc.save(folder / "ckpt.pt", {"model": model})
+    named = torch.load(folder / "ckpt.pt", weights_only=True)["multicard"]["shards"]["folder"]
+    mc.barrier()
+    if mc.rank == 0:  # a .metadata far beyond what this model's index takes (a pickle ignores the tail)
+        with open(folder / named / ".metadata", "r+b") as f:
+            f.truncate(64 << 20)
+    mc.barrier()
+    try:
+        mc.load(folder / "ckpt.pt", {"model": model})
+        refused = ""
+    except UsageError as e:
+        refused = str(e)
+    return {"named": named, "refused": refused}
+
+
+@pytest.mark.slow
+def test_fsdp_saves_keep_what_the_user_had_beside_the_checkpoint(tmp_path):
+    (tmp_path / "ckpt.shards-mybackup").mkdir()
+    (tmp_path / "ckpt.shards-mybackup" / "notes.txt").write_text("precious")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.symlink(victim, tmp_path / "ckpt.shards-1")  # planted where the first save's folder would go
+    (tmp_path / "ckpt.shards-9").mkdir()
+    (tmp_path / "ckpt.shards-9" / "mine.txt").write_text("mine")  # a save's name, but not what DCP writes
+    found = multicard.launch(fsdp_saves_job, str(tmp_path), strategy="fsdp", devices="cpu:2")
+    assert (tmp_path / "ckpt.shards-mybackup" / "notes.txt").read_text() == "precious"
+    assert (tmp_path / "ckpt.shards-9" / "mine.txt").read_text() == "mine"
+    assert list(victim.iterdir()) == [] and os.readlink(tmp_path / "ckpt.shards-1") == str(victim)
+    assert found["named"] == "ckpt.shards-3"  # shards-1 taken by the link; shards-2, the first save's, dropped
+    assert safefs.kind(tmp_path / "ckpt.shards-2") is None
+    assert found["refused"].startswith(f"shards folder {tmp_path / 'ckpt.shards-3'}: .metadata: is 67108864 bytes, "
+                                       f"more than the ")
 
 
 @pytest.mark.slow

@@ -27,12 +27,11 @@ import torch
 from torch import nn
 
 import multicard
-from conftest import HUNG_S, run_cli
+from conftest import HUNG_S, clean_env, ended, gone, left, run_cli, started
 from multicard.errors import UsageError
 from multicard.jobs import jobdir, progress, shipping, spawned, streams
 from multicard.trainer.config import TrainConfig
-from test_faults import PLAIN_OR_LAUNCHED, clean_env, dispositions
-from test_hostile7 import left
+from test_faults import PLAIN_OR_LAUNCHED, dispositions
 
 CATCH = """
 import sys
@@ -177,7 +176,7 @@ def test_lbfgs_under_fsdp_is_refused_at_setup_and_at_its_first_step_in_one_line(
 
 
 # -- a launch without the __main__ guard --------------------------------------------------------------------------
-@pytest.mark.slow  # the same line through train (which launches): test_hostile7.py, in the default suite
+@pytest.mark.slow  # the same line through train (which launches): the test below, in the default suite
 def test_a_launch_at_the_top_level_of_a_script_is_one_line_saying_what_to_add(tmp_path):
     done = run(script(tmp_path, """
         import multicard
@@ -189,6 +188,33 @@ def test_a_launch_at_the_top_level_of_a_script_is_one_line_saying_what_to_add(tm
     assert done.returncode == 2 and done.stderr.splitlines() == [
         "UsageError: job.py calls multicard.launch (or train) at its top level, which every process it starts runs "
         "again: put that call under `if __name__ == \"__main__\":`"], done.stderr
+
+
+UNGUARDED = """
+    import sys, torch, multicard
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    data = TensorDataset(torch.randn(8192, 16), torch.randint(0, 2, (8192,)))  # pickled, far more than a pipe holds
+    try:
+        multicard.train(nn.Linear(16, 2), data, None, out="out", devices="cpu:2", strategy="ddp", epochs=1,
+                        batch_size=64, quiet=True)
+    except multicard.UsageError as e:
+        print(f"UsageError: {e}", file=sys.stderr)
+        sys.exit(2)
+"""
+
+
+@pytest.mark.usefixtures("nothing_left")
+def test_train_at_the_top_level_of_a_script_is_one_line_saying_what_to_add_not_a_hang(tmp_path):
+    """Each rank runs the script's top level again and met train there: it ends at once, the launcher says why, and
+    --out is as it was (no false "another run is writing there", no hang writing to a rank that is gone)."""
+    job = started(tmp_path, UNGUARDED)
+    code, _, err = ended(job, 120)
+    assert code == 2 and err.splitlines() == [
+        "UsageError: job.py calls multicard.launch (or train) at its top level, which every process it starts runs "
+        "again: put that call under `if __name__ == \"__main__\":`"], err
+    assert list((tmp_path / "out").iterdir()) == []
+    assert gone(lambda: left(tmp_path), 10)
 
 
 # -- integer flags past 64 bits -----------------------------------------------------------------------------------

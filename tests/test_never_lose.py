@@ -1,6 +1,6 @@
 """Nothing lost, nothing run, nothing left (issue 23, items 1-4): checkpoints that belong to a run, shards whose
-metadata cannot run code, an --out where multicard deletes only what it can prove it wrote, and a publish that
-a kill at any point leaves showing one whole run."""
+metadata cannot run code (nor hang on a FIFO, nor fill memory, nor name a folder elsewhere), an --out where multicard
+deletes only what it can prove it wrote, and a publish that a kill at any point leaves showing one whole run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import multicard
-from conftest import shown, tiny_images
-from multicard.checkpoints import resume, saves, shards_read
+from conftest import bounded, shown, tiny_images
+from multicard.checkpoints import resume, saves, shards, shards_read
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 from multicard.trainer import outdir
@@ -158,6 +158,64 @@ def test_resume_under_fsdp_with_a_planted_metadata_is_one_line(tmp_path):
     assert not marker.exists()
     metadata.write_bytes(genuine)  # the genuine one still resumes
     assert run(tmp_path / "again", resume=str(step), epochs=2, **fsdp)["optimizer_steps"] == 8
+
+
+def test_a_planted_value_in_shards_is_refused_without_torchs_advice(tmp_path):
+    import io
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    value = io.BytesIO()
+    torch.save(Planted(), value)
+    value.seek(0)
+    with pytest.raises(UsageError) as refused:
+        shards_read.planner().load_bytes(None, value)
+    assert "system" in str(refused.value) and "weights_only" not in str(refused.value)
+    assert "False" not in str(refused.value) and not (tmp_path / "ran").exists()
+
+
+def test_a_shards_folder_named_by_a_checkpoint_is_a_name_beside_it(tmp_path):
+    outside = tmp_path / "outside" / "shards"
+    outside.mkdir(parents=True)
+    path = tmp_path / "out" / "state.pt"
+    for forged in ("../../outside/shards", str(outside), "state.shards-1/../../outside", 7):
+        with pytest.raises(UsageError, match=r"its shards folder is not one multicard names"):
+            shards.load(path, {"folder": forged, "models": ["model"], "optimizers": []}, {"model": nn.Linear(2, 2)},
+                        lambda m: m)
+
+
+def test_a_fifo_in_a_shards_folder_is_one_line_not_a_hang(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "state.shards-1"
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=folder, no_dist=True)
+    data = next(p for p in folder.iterdir() if p.name != ".metadata")
+    data.unlink()
+    os.mkfifo(data)  # a shard DCP would open and wait on
+    done = bounded(f"from pathlib import Path\nfrom multicard.checkpoints import shards_read\n"
+                   f"from multicard.errors import UsageError\n"
+                   f"where = Path({str(folder)!r})\nshards_read.metadata(where)\n"
+                   f"try:\n    shards_read.plain_files(where)\nexcept UsageError as e:\n    print(e)\n"
+                   f"(where / '.metadata').rename(where / 'm')\nimport os\nos.mkfifo(where / '.metadata')\n"
+                   f"try:\n    shards_read.metadata(where)\nexcept UsageError as e:\n    print(e)")
+    assert f"{data.name} is a fifo, not a file DCP writes" in done.stdout, done.stderr
+    assert ".metadata: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("what", ["sparse", "zero"])
+def test_a_huge_shards_metadata_is_refused_before_it_is_read(tmp_path, what):
+    from multicard.checkpoints import shards_read
+
+    (tmp_path / "s").mkdir()
+    if what == "sparse":
+        with open(tmp_path / "s" / ".metadata", "wb") as f:
+            f.truncate(10 * 2**30)
+    else:
+        os.symlink("/dev/zero", tmp_path / "s" / ".metadata")
+    with pytest.raises(UsageError, match=r"\.metadata: is (\d+ bytes, more than|a link)"):
+        shards_read.metadata(tmp_path / "s")
 
 
 # -- 3. only what multicard can prove it wrote is deleted ----------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Issue 34, item 2: one checkpoint file per mc.save. Every rank's random streams go into the file rank 0 writes
-(no ckpt.rank1.pt beside it) and come back to each rank on load; a save under `if mc.is_main:` still works and
-says what it lacks; checkpoints written with rank files still load."""
+"""Issue 34, item 2: one checkpoint file per mc.save. Every rank's random streams go into the file rank 0 writes (no
+ckpt.rank1.pt beside it) and come back to each rank on load; a save under `if mc.is_main:` still works and says what it
+lacks; checkpoints written with rank files still load (but not a rank file reached through a link)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,24 @@ from torch import nn
 
 import multicard
 from multicard.checkpoints import plain as checkpoint
-from test_hostile5 import as_written_before
 
 
 def streams_back(mc, path: Path, saved: torch.Tensor) -> float:
     torch.manual_seed(99)  # the streams moved on
     mc.load(path, {"model": nn.Linear(2, 2)})
     return float(torch.equal(torch.get_rng_state(), saved))
+
+
+def as_written_before(mc, path: Path, streams) -> None:
+    """A checkpoint as multicard wrote it before one file held every rank's random streams: each rank's beside
+    it (ckpt.rank1.pt)."""
+    if mc.rank == 0:
+        raw = torch.load(path, weights_only=True)
+        del raw["multicard"]["ranks"]
+        torch.save(raw, path)
+    else:
+        torch.save({"save": mc._saves, "world": mc.world_size, "rng": streams, "rank": mc.rank},
+                   checkpoint.rank_file(path, mc.rank))
 
 
 def every_rank_job(mc, folder: str) -> dict:
@@ -94,3 +106,29 @@ def test_last_on_every_rank_and_best_on_rank_0_alone_neither_stalls_nor_loses_st
     assert err.count("best.pt: no other rank saved it along with rank 0 within 3 s") == 1
     assert "last.pt" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
+
+
+# -- a rank's part of a checkpoint written before, through a link -----------------------------------------------------
+def rank_part_job(mc, folder: str) -> list[float]:
+    folder = Path(folder)
+    torch.manual_seed(10 + mc.rank)
+    saved = torch.get_rng_state()
+    streams = checkpoint.rng_state()
+    mc.save(folder / "ckpt.pt", {"x": 1})
+    as_written_before(mc, folder / "ckpt.pt", streams)
+    mc.barrier()
+    if mc.rank == 1:  # the part moved away, and a link to it (someone else's) put in its place
+        os.replace(folder / "ckpt.rank1.pt", folder / "theirs.pt")
+        os.symlink(folder / "theirs.pt", folder / "ckpt.rank1.pt")
+    mc.barrier()
+    torch.manual_seed(99)
+    mc.load(folder / "ckpt.pt")
+    restored = torch.zeros(mc.world_size)
+    restored[mc.rank] = float(torch.equal(torch.get_rng_state(), saved))
+    return mc.all_reduce(restored).tolist()
+
+
+def test_a_ranks_part_reached_through_a_link_is_not_read(tmp_path, capfd):
+    assert multicard.launch(rank_part_job, str(tmp_path), strategy="ddp", devices="cpu:2") == [1.0, 0.0]
+    assert "ckpt.rank1.pt is missing or from another save: this rank's random streams start afresh" in \
+        capfd.readouterr().err

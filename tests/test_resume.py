@@ -1,5 +1,6 @@
-"""Never lose a run: checkpoints, exact resume (one process, ddp, another number of processes), restarts after a
-dead process, checkpoints that survive a kill, and an --out that one run holds and changes all at once."""
+"""Never lose a run: checkpoints, exact resume (one process, ddp, another number of processes), restarts after a dead
+process, checkpoints that survive a kill, an earlier run's checkpoints taken over by a new one (a kill at any point of
+it; run.json's "from"), and an --out that one run holds and changes all at once."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 import multicard
-from conftest import HUNG_S, ROOT, run_cli, shown, tiny_images
-from multicard.checkpoints import resume
+from conftest import HUNG_S, OLD, ROOT, earlier, run_cli, shown, states, tiny_images, train
+from multicard.checkpoints import resume, saves
 from multicard.errors import UsageError
 from multicard.jobs.failures import RankFailed, Stopped
 from multicard.models import LeNet5
+from multicard.trainer import start
+from multicard.trainer.config import TrainConfig
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import strict
 
@@ -407,6 +411,122 @@ def test_a_kill_at_any_instant_leaves_a_checkpoint_to_resume_from(tmp_path):
         output.new_run()
     assert len(list(out.glob(".run-*"))) == 1  # only the new one
     assert not list(out.glob("checkpoints/*.part"))
+
+
+# -- an earlier run's checkpoints, taken over by a new run: a kill at any point publishes none as the new run's -------
+class Killed(BaseException):
+    """What a SIGKILL leaves: nothing after it runs."""
+
+
+@pytest.mark.parametrize("rewind", [False, True], ids=["fresh", "from-step-1"])
+def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_new_one(tmp_path, monkeypatch,
+                                                                                       rewind):
+    """Each call of claim that changes the disk (a folder made, a file created, a rename), in turn, is where the
+    launcher dies: --resume auto then goes on with the earlier run only where run.json still names it (nothing
+    moved yet), else from where the new run began (the beginning, or step 1), never from the earlier run's
+    newest. The next start finishes the moves, and no checkpoint is lost."""
+    real = {"replace": os.replace, "mkdir": os.mkdir, "open": os.open}
+    point = 0
+    while True:
+        out = tmp_path / f"kill-{point}"
+        made = earlier(out)
+        resumed = made[0] / "state.pt" if rewind else None
+        left = [point]
+
+        def counted(name, left=left):
+            def call(*args, **kwargs):
+                creates = name != "open" or args[1] & os.O_CREAT
+                if creates:
+                    left[0] -= 1
+                    if left[0] < 0:
+                        raise Killed(name)
+                return real[name](*args, **kwargs)
+            return call
+
+        for name in real:
+            monkeypatch.setattr(os, name, counted(name))
+        try:
+            run = saves.claim(out, resumed)
+            done = True
+        except Killed:
+            done = False
+        monkeypatch.undo()
+        own, auto = resume.owner(out)["run"], resume.resolve("auto", out)
+        if own == OLD:  # killed before the claim: the earlier run is as it was, and auto goes on with it
+            assert auto == made[-1] / "state.pt" and all(p.is_dir() for p in made), f"killed at call {point}"
+        else:
+            assert auto == (resumed.absolute() if rewind else None), f"killed at call {point}"
+            assert not done or own == run
+        again = saves.claim(out, auto)  # the next start: --resume auto
+        assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]  # none lost, none doubled
+        if own != OLD:
+            assert (again == own) == rewind  # from step 1: the same new run goes on; from nothing: a new one
+            assert resume.owner(out)["run"] == again
+            assert [p.name for p in resume.whole(out)] == (["step-00000001"] if rewind else [])
+        if done:
+            break
+        point += 1
+    assert point >= 4  # the run folder aside, run.json's temporary and its rename, and the moves
+
+
+def test_a_new_run_killed_before_its_first_checkpoint_starts_over_under_auto(tmp_path):
+    out = tmp_path / "out"
+    earlier(out)
+    saves.claim(out, None)
+    assert resume.resolve("auto", out) is None
+
+
+def owned_from(out: Path, started: str) -> None:
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints" / "run.json").write_text(json.dumps({"run": OLD, "from": started}))
+
+
+def test_run_json_naming_a_checkpoint_elsewhere_is_one_line_not_a_resume_from_there(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    train(elsewhere, save_every_steps=1)
+    theirs = next(elsewhere.glob("checkpoints/step-*/state.pt"))
+    out = tmp_path / "out"
+    owned_from(out, str(theirs))  # planted, or a run that began from --resume elsewhere and wrote nothing yet
+    with pytest.raises(UsageError, match=r"--resume auto: the run in .* started from .*, which is not a checkpoint "
+                                         r"in --out, and wrote none of its own: to go on from there, give it as "
+                                         r"--resume; to start over, leave --resume out"):
+        train(out, resume="auto")
+    assert not list(out.glob(".run-*")) and not (out / "model.pt").exists()
+    # the user who means it says so, and the run goes on from there
+    assert train(out, resume=str(theirs))["optimizer_steps"] == 2
+
+
+def test_run_json_naming_a_checkpoint_in_out_resumes_the_one_found_there(tmp_path):
+    made = earlier(tmp_path, steps=(1, 2))
+    aside = tmp_path / "checkpoints" / f"run-{OLD}"
+    aside.mkdir()
+    os.replace(made[0], aside / made[0].name)
+    (tmp_path / "checkpoints" / "run.json").write_text(json.dumps(
+        {"run": "20250101T000000-123456", "from": str(aside / made[0].name / "state.pt")}))
+    assert resume.newest(tmp_path / "checkpoints") == aside / made[0].name / "state.pt"
+
+
+def test_a_restart_before_the_first_checkpoint_goes_on_from_where_the_run_began(tmp_path):
+    """The start is known to the job; run.json's word for it is not needed (nor taken)."""
+    elsewhere = tmp_path / "elsewhere"
+    train(elsewhere, save_every_steps=1)
+    theirs = next(elsewhere.glob("checkpoints/step-*/state.pt"))
+    out = tmp_path / "out"
+    owned_from(out, str(theirs))
+    config = TrainConfig(out=str(out), resume="auto", devices="cpu", strategy="single", batch_size=24, epochs=1)
+    again = start.restart(start.Start(config, theirs, ""))
+    assert again.checkpoint == theirs and again.line.startswith(f"resuming from {theirs}")
+
+
+def test_a_refused_resume_claims_nothing(tmp_path):
+    train(tmp_path, save_every_steps=1)
+    checkpoints = tmp_path / "checkpoints"
+    before = {p.name: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
+    with pytest.raises(UsageError, match=r"--resume .*step-00000001/state\.pt: its model does not fit the model"):
+        multicard.train(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), tiny_images(48), None, out=str(tmp_path),
+                        quiet=True, strategy="single", devices="cpu", batch_size=24,
+                        resume=str(checkpoints / "step-00000001"))
+    assert {p.name: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()} == before
 
 
 # -- --out -------------------------------------------------------------------------------------------------------

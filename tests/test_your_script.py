@@ -1,7 +1,7 @@
 """A user's own script under multicard, where a strategy could silently diverge from it (issue 22, points 3-6, 8):
 attributes and methods of the set-up model, no_backward_sync and nanoGPT's require_backward_grad_sync, nested
-collectives, broadcast, rank 0 first, split, outputs gathered in dataset order, a second Multicard, save's
-arguments. ddp over 2 and 3 gloo processes; the rest in this process."""
+collectives, broadcast, rank 0 first, split, outputs gathered in dataset order, a second Multicard, save's arguments,
+structures that differ between ranks. ddp over 2 and 3 gloo processes; the rest in this process."""
 
 from __future__ import annotations
 
@@ -368,3 +368,30 @@ def test_the_docs_loop_saves_on_a_signal_and_goes_on_bit_identical(tmp_path, dev
     assert again.returncode == 0 and not again.stdout, again.stderr[-3000:]
     a, b = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("whole", "stopped"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- ranks that pass different structures -----------------------------------------------------------------------------
+def mismatched(mc) -> dict:
+    out = {}
+    mine = {"rank": mc.rank} if mc.rank == 0 else torch.tensor([7.0, 8.0])  # a dict on 0, a tensor on 1
+    out["from_dict"] = mc.broadcast(mine, src=0)
+    out["from_tensor"] = mc.broadcast(mine, src=1)
+    try:
+        mc.gather_in_order(torch.zeros(2, 3) if mc.rank == 0 else [1.0, 2.0])
+    except UsageError as e:
+        out["tensor_vs_list"] = str(e)
+    try:
+        mc.gather_in_order({"a": [1], "b": [2]} if mc.rank == 0 else {"a": [1], "c": [2]})
+    except UsageError as e:
+        out["keys"] = str(e)
+    return mc.gather(out)
+
+
+def test_mismatched_structures_across_ranks_broadcast_as_src_sent_and_gather_in_order_says_both():
+    ranks = multicard.launch(mismatched, strategy="ddp", devices="cpu:2")
+    for r in ranks:
+        assert r["from_dict"] == {"rank": 0} and torch.equal(r["from_tensor"], torch.tensor([7.0, 8.0]))
+        assert r["tensor_vs_list"] == ("gather_in_order: rank 0 passed a tensor of rows (3,), rank 1 a list: every "
+                                       "process must pass the same structure")
+        assert r["keys"] == ("gather_in_order: rank 0 passed {'a': a list, 'b': a list}, rank 1 {'a': a list, 'c': "
+                             "a list}: every process must pass the same structure")

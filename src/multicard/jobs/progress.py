@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from ..errors import UsageError, note
 from . import closed, failures, jobdir, protocol
 from .lifeline import inherited
-from .protocol import LOST_PEER, MARK, PROGRESS, SLOT, TIMED_OUT_STATE, Slot  # noqa: F401 (MARK, SLOT: for tests)
+from .protocol import LOST_PEER, PROGRESS, TIMED_OUT_STATE, Slot
 
 # how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
 TIMED_OUT = re.compile(r"Timed out waiting|wait timeout after|collective operation timeout|Socket Timeout")

@@ -1,7 +1,8 @@
-"""N processes take one process's steps, round 3 (issue 36): a collective per evaluation batch, random draws cut
-as the loader deals, a summed loss, a stale uneven weight, a sampler's own draws read whole, a shape by the
-global batch, an EMA of the set-up model, and a resumed loader skipped twice. Each on 1, 2 and 3 gloo
-processes (one job a world size), against the plain one-process script computed here."""
+"""N processes take one process's steps through the habits of common scripts (issue 36): a collective per
+evaluation batch, random draws cut as the loader deals, a summed loss, a stale uneven weight, a sampler's own draws
+read whole, a shape by the global batch, an EMA of the set-up model, and a resumed loader skipped twice. Each on 1, 2
+and 3 gloo processes (one job a world size, all the habits in it), against the plain one-process script computed
+here."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 import multicard
 from conftest import run_cli
-from multicard.data import watch
 from multicard.data.loaders import shard
+from multicard.data.watch import Habits
 from multicard.errors import UsageError
 from multicard.trainer.loop import evaluate
 from multicard.yourloop.multicard import Multicard
@@ -207,7 +208,7 @@ def resumed(mc: Multicard, out: dict, path: str) -> None:
     out["skipped_again"] = run(stop=None, skip=3)
 
 
-def steps3_job(mc: Multicard, folder: str) -> list[dict]:
+def habits_job(mc: Multicard, folder: str) -> list[dict]:
     out: dict = {}
     for part in (evaluation, cuts, summed, stale, sampler_draws, ema, resumed):
         try:  # each item on its own: one that fails leaves the others their say
@@ -223,8 +224,8 @@ def said(ranks: list[dict], part) -> None:
 
 @pytest.fixture(scope="module", params=[1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def ranks(request, tmp_path_factory) -> list[dict]:
-    folder = str(tmp_path_factory.mktemp(f"steps3_{request.param}"))
-    return multicard.launch(steps3_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=300)
+    folder = str(tmp_path_factory.mktemp(f"habits_{request.param}"))
+    return multicard.launch(habits_job, folder, strategy="ddp", devices=f"cpu:{request.param}", timeout=300)
 
 
 def test_every_process_gets_as_many_evaluation_batches_and_each_sample_once(ranks):
@@ -379,8 +380,9 @@ def test_a_shape_by_the_global_batch_is_said_in_one_line(tmp_path):
             ) in result.stderr
 
 
-def test_a_shape_error_that_names_the_global_batch_gains_one_line(monkeypatch):
-    monkeypatch.setattr(watch, "_batches", {128: 64})  # set up: a global batch of 128, 64 rows in this process
+def test_a_shape_error_that_names_the_global_batch_gains_one_line():
+    habits = Habits()
+    habits.dealt(128, 64)  # set up: a global batch of 128, 64 rows in this process
     shaped = [lambda: torch.zeros(64, 784).view(128, 1, 28, 28), lambda: torch.zeros(128) + torch.zeros(64),
               lambda: F.cross_entropy(torch.zeros(128, 10), torch.zeros(64, dtype=torch.long)),
               lambda: torch.zeros(3, 5) @ torch.zeros(4, 2)]  # the last names no batch: left as torch says it
@@ -388,7 +390,7 @@ def test_a_shape_error_that_names_the_global_batch_gains_one_line(monkeypatch):
     for make in shaped:
         with pytest.raises((RuntimeError, ValueError)) as error:
             make()
-        watch.explain(error.value)
+        habits.explain(error.value)
         notes.append(getattr(error.value, "__notes__", []))
     line = ("multicard: 128 is the global batch (the DataLoader's batch_size, split over the processes): this process "
             "holds 64 of its rows; shape by the rows a batch holds (x.size(0)), or by mc.local_batch(128)")
