@@ -1,7 +1,7 @@
 """What the seams' checks cost a training step (issues 40 and 50): the job's pre-step hook on every optimizer step
 (yourloop/job_state.py and outside_params.py: is this the job's optimizer, are its parameters held by a set-up
 model?), the set-up model's forward asking whether it is the first training one (yourloop/alike.py), and mc.local's
-fingerprint of each global batch and of torch's random state, compared at the next step (one all-reduce a step);
+fingerprint of each global batch and of torch's random state, compared at the next reduced forward (one all-reduce);
 ddp on 2 gloo processes on the CPU.
 
 Result: not measured on an idle machine yet (run the command below on one; the first figures, taken on a busy
@@ -89,7 +89,7 @@ def user_loop(mc, repeats: int) -> dict:
     def two_cuts_and_a_step() -> None:  # a step's two mc.local calls and their comparison at the step
         job.inputs.cut(x)
         job.inputs.cut(y)
-        job.inputs.stepping()
+        job.inputs.compare()
 
     pieces = {"pre-step hook": per_call(lambda: job._before_step(optimizer, (), {})),
               "forward's question": per_call(lambda: job.inputs.forwarded(inputs, True)),

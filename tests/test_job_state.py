@@ -23,6 +23,7 @@ DATA = TensorDataset(torch.randn(24, 4, generator=G), torch.randn(24, 1, generat
 
 
 def a_job(path: Path, strategy: str = "single", devices: str = "cpu") -> dict:
+    before = len(progress.open_jobs())  # Multicards other tests left open in this process
     """A short loop that saves, then resumes and skips the resumed batches itself (said once a job), on a Multicard
     closed at the end: what it said, the steps it counted, and the hooks left open after it."""
     with multicard.Multicard(strategy, devices) as mc:
@@ -43,8 +44,9 @@ def a_job(path: Path, strategy: str = "single", devices: str = "cpu") -> dict:
             mc.load(path, state)
             for _ in itertools.islice(loader, 2, 3):  # the script skips what mc.load skipped already
                 pass
-        steps, open_jobs = mc._job_state.steps, len(progress.open_jobs())
-    return {"said": said.getvalue(), "steps": steps, "open_during": open_jobs, "open_after": len(progress.open_jobs()),
+        steps, open_jobs = mc._job_state.steps, len(progress.open_jobs()) - before
+    return {"said": said.getvalue(), "steps": steps, "open_during": open_jobs,
+            "open_after": len(progress.open_jobs()) - before,
             "weight": model.weight.detach().clone()}
 
 

@@ -111,6 +111,7 @@ def probe_job(mc, folder: str) -> dict:
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         mc.save(f"{folder}/ckpt.pt", {"model": model})
+        mc.barrier()  # rank 0 wrote it (a save is no collective outside fsdp)
         torch.manual_seed(999)
         mc.load(f"{folder}/ckpt.pt", {"model": model})
     back = torch.equal(torch.get_rng_state(), streams)

@@ -27,6 +27,9 @@ REPLICA_CHECK_EVERY = "MULTICARD_REPLICA_CHECK_EVERY"  # multicard run --replica
 CHECK_SHAPES = "MULTICARD_CHECK_SHAPES"  # 1: mc.all_reduce checks that every rank passed the same shapes
 TRUST_DIR = "MULTICARD_TRUST_DIR"  # folders trusted, separated by os.pathsep (":"), as PATH separates its folders
 CACHE = "MULTICARD_CACHE"  # where downloaded data sets are kept (else $XDG_CACHE_HOME or ~/.cache)
+# what `multicard check script.py` hands each rank of the script it runs (tools/recorder.py)
+CHECK_RECORDS = "MULTICARD_CHECK_RECORDS"  # the folder where rank 0 leaves the weights after each step
+CHECK_STEPS = "MULTICARD_CHECK_STEPS"  # K: the script ends in every rank after its K-th optimizer step
 
 
 @dataclass(frozen=True)

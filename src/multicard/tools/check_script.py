@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import UsageError, note
+from ..jobs import protocol
 
 WHOLE = ("ddp", "dp", "dp-balanced")  # strategies whose ranks hold whole weights
 
@@ -136,7 +137,7 @@ def recorded(script: str, script_args: list[str], strategy: str, devices: str, p
     from .recorder import RECORDS, STEPS
 
     os.makedirs(folder)
-    env = {"MULTICARD_STRATEGY": strategy, "MULTICARD_DEVICES": devices, RECORDS: folder,
+    env = {protocol.STRATEGY: strategy, protocol.DEVICES: devices, RECORDS: folder,
            MODE_VAR: os.environ.get(MODE_VAR, "warn")}  # replicas that part are compared here, not stopped at
     if steps:
         env[STEPS] = str(steps)

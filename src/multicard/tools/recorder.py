@@ -2,9 +2,9 @@
 recorder that notes what it trains. After each optimizer step: the weights of the set-up models that the step
 moved (rank 0: whole tensors, on the CPU), the losses passed to mc.backward since the step before, and a digest of
 torch's random state; at setup: what could part N processes from one (dropout, BatchNorm per process, the
-precision, the seed). Run as `python -m multicard.tools.recorder script.py args...` with MULTICARD_CHECK_RECORDS
+precision, the seed). Run as `python -m multicard.tools.recorder script.py args...` with protocol.CHECK_RECORDS
 naming the folder where each rank writes rank-R.pt when the script ends well (check_script.py reads them).
-MULTICARD_CHECK_STEPS=K ends the script in every rank after its K-th optimizer step."""
+CHECK_STEPS=K ends the script in every rank after its K-th optimizer step."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-RECORDS, STEPS = "MULTICARD_CHECK_RECORDS", "MULTICARD_CHECK_STEPS"
+from ..jobs import protocol
+
+RECORDS, STEPS = protocol.CHECK_RECORDS, protocol.CHECK_STEPS
 
 
 class Enough(BaseException):

@@ -6,9 +6,10 @@ where it can be seen cheaply (on 2+ processes; the replica check's mode governs 
   draws a batch of its own in each (its shuffle, crops and flips), and each process would train on rows of another
   batch; a draw on some ranks only (an EMA's sample under `if mc.is_main:`) parts the processes' random states
   from then on. mc.local's first call is compared at once; later calls and the draws are compared at the next
-  optimizer step of the job, with torch's random state at each (one all-reduce of twelve numbers a step, where
-  there were any; nothing between). Batches that differ are one line: that the random states parted between two
-  steps (and how to keep a rank's own draw off the shared stream), or that they were never seeded alike.
+  forward of a set-up model whose gradients are reduced (every rank runs it alike), with torch's random state at
+  each (one all-reduce of ten numbers then, where there were any; nothing between). Batches that differ are one
+  line: that the random states parted between two steps (and how to keep a rank's own draw off the shared
+  stream), or that they were never seeded alike.
 - the first training forward of a set-up model (gradients on, in train mode) compares its inputs, once. The same
   inputs in every process, where nothing multicard deals (a set-up training loader, mc.local, mc.randn_local) fed
   this process, mean that each process reads every batch itself: one process's steps at N times its work. Said
@@ -42,7 +43,7 @@ class Inputs:
 
     def cut(self, batch: Any) -> None:
         """mc.local's global `batch`: compared between the processes at once on the first call; later calls at the
-        next optimizer step (`stepping`)."""
+        next forward of a set-up model whose gradients are reduced (`compare`)."""
         self.dealt = True
         if self.job.replicas.mode == "off" or "alike" in self.job.warned:
             return
@@ -53,7 +54,7 @@ class Inputs:
             self.job.stop_or_warn(f"mc.local (call 1): {self._unseeded()}", "alike")
 
     def drew(self, whole: torch.Tensor) -> None:
-        """mc.randn_local / rand_local drew `whole`: compared at the next optimizer step (`stepping`)."""
+        """mc.randn_local / rand_local drew `whole`: compared at the next reduced forward (`compare`)."""
         self.dealt = True
         if self.job.replicas.mode != "off" and "alike" not in self.job.warned and self.job.strategy.world > 1:
             self._add(("a draw of mc.randn_local or rand_local", 0), [whole])
@@ -65,11 +66,12 @@ class Inputs:
         self.sums = numbers if self.sums is None else self.sums + numbers
         self.since.append(what)
 
-    def stepping(self) -> None:
-        """A step of the job is about to be taken, alike on every rank: the draws and cuts since the last one are
-        compared (one all-reduce of twelve numbers, where there were any). Batches that differ are one line: where
-        the random states had been alike and parted since, a draw on some ranks only moved them."""
-        if self.sums is None:
+    def compare(self) -> None:
+        """A forward of a set-up model whose gradients are reduced is about to run, on every rank alike (ddp and
+        fsdp need every rank's): the draws and cuts since the last one are compared (one all-reduce of ten numbers,
+        where there were any). Batches that differ are one line: where the random states had been alike and parted
+        since, a draw on some ranks only moved them."""
+        if self.sums is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         sums, since, steps = self.sums, self.since, self.job.steps
         self.sums, self.since = None, []

@@ -75,7 +75,6 @@ class JobState:
         if getattr(self.strategy, "sharded", False):
             self.strategy.check_optimizer(optimizer)  # one fsdp cannot step: refused at its first step
         if self.strategy.world > 1 and self.params.before_step(optimizer, judge=not jobs or jobs[-1] is self):
-            self.inputs.stepping()  # the draws and cuts since the last step, compared
             self.steps += 1
             if optimizer not in self.params.optimizers:
                 self.replicas.stepped_elsewhere(optimizer)

@@ -62,7 +62,8 @@ class Prepared(nn.Module):
         job = self._job
         weight = job.share.weight_for((args, kwargs)) if self._reduced else 1.0  # its rows of an uneven split
         job.habits.forwarded()
-        if self._reduced:  # 2+ processes: the first training forward compares its inputs (alike.py)
+        if self._reduced:  # 2+ processes: the draws since the last forward, and the first training one's inputs,
+            job.inputs.compare()  # compared (alike.py)
             job.inputs.forwarded((args, kwargs), self.training)
         try:
             if dtype is None:
