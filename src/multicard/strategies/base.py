@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..jobs import dist
 from ..jobs.devices import Devices, cpu_threads
 from ..jobs.dist import Job
 
@@ -79,6 +80,23 @@ class Strategy:
         else:  # each process takes its share of the cores it can keep busy, not all of the machine's
             torch.set_num_threads(cpu_threads(job.local_world, torch.get_num_threads()))
 
+    def join_group(self, job: Job) -> None:
+        """This process in a process group: one joined already (by the script, or another Multicard), else the
+        job's, joined here and left by the last strategy that used it (leave_group)."""
+        if not torch.distributed.is_initialized():
+            dist.init(job, self.devices, self.timeout_s)
+            _GROUP["ours"] = True
+        _GROUP["users"] += 1
+        self.in_group = True
+
+    def leave_group(self) -> None:
+        """This strategy is done with the process group: the last to use one it joined leaves it."""
+        if getattr(self, "in_group", False):
+            self.in_group, _GROUP["users"] = False, _GROUP["users"] - 1
+        if _GROUP["users"] == 0 and _GROUP["ours"]:
+            _GROUP["ours"] = False
+            dist.teardown()
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -142,3 +160,8 @@ class Strategy:
 
     def stop(self) -> None:
         """Always called, also after an error."""
+
+
+# The process group is one per process: every strategy in it shares the one joined first, and the last to close
+# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy).
+_GROUP = {"users": 0, "ours": False}
