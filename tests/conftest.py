@@ -55,6 +55,18 @@ def tiny_images(n: int = 96, seed: int = 0) -> ImageData:
     return ImageData(images, labels, 0.2, 0.3)
 
 
+@pytest.fixture(autouse=True)
+def no_group_left():
+    """A test that leaves a Multicard open (single joins a process group of one as it starts) leaves its group to no
+    other test: one that counts on joining a group of its own, or on finding none, finds none."""
+    yield
+    from multicard.strategies import base
+
+    if base._GROUP["ours"] and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    base._GROUP.update(users=0, ours=False)
+
+
 @pytest.fixture
 def restored(monkeypatch):
     """Deterministic mode is process-wide: a test that sets it leaves torch and the environment as it found them."""

@@ -25,10 +25,12 @@ Agree = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 def same_everywhere(agree: Agree, values: torch.Tensor) -> bool:
-    """Whether every process holds these `values` (one collective; every process gets the same answer)."""
-    values = values.double().flatten()
-    both = agree(torch.cat([values, -values]), "max")
-    return bool(torch.equal(both, torch.cat([values, -values])))
+    """Whether every process holds these `values` (one collective; every process gets the same answer). Integers
+    are compared exactly, as int64; other values as float64."""
+    exact = not values.is_floating_point()
+    values = values.flatten().long() if exact else values.flatten().double()
+    mine = torch.cat([values, ~values if exact else -values])  # the max of both: the max and the min
+    return bool(torch.equal(agree(mine, "max"), mine))
 
 
 def base_seed(generator: torch.Generator | None) -> int:

@@ -12,6 +12,8 @@ it (an empty part): each sample once, and as many batches in every process.
 
 from __future__ import annotations
 
+import itertools
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +23,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ..errors import UsageError
 from ..jobs.progress import pass_ended, read_batch
 from ..jobs.trees import values
+from . import bits
+from .bits import FIRST
 from .order import Agree, same_everywhere
 from .parts import part, samples
 from .uneven import Share
@@ -28,15 +32,13 @@ from .watch import Habits
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:
-    """A few numbers that differ, in practice, between two different batches: its size, and a sum and a weighted
-    sum of its first tensor's first 4,096 values (a batch without tensors, e.g. of text, is compared by its size
-    alone)."""
-    first = next((t for t in values(batch) if isinstance(t, torch.Tensor)), None)
-    if first is None:
-        return torch.tensor([size], dtype=torch.float64)
-    head = first.detach().flatten()[:4096].double().cpu()  # a bounded cost, whatever the batch's size
-    return torch.stack([torch.tensor(float(size), dtype=torch.float64), head.sum(),
-                        (head * torch.arange(1, len(head) + 1, dtype=torch.float64)).sum()])
+    """Int64 numbers that differ, in practice, between two different batches: its size, its tensors' (bits.py:
+    any dtype, NaNs and empty tensors read exactly), and a checksum of its first strings (a batch of text)."""
+    tensors = [t for t in values(batch) if isinstance(t, torch.Tensor)]
+    text = 0
+    for value in itertools.islice((v for v in values(batch) if isinstance(v, (str, bytes))), FIRST):
+        text = zlib.crc32(value.encode() if isinstance(value, str) else value, text)
+    return torch.cat([torch.tensor([size, text], dtype=torch.int64), bits.fingerprint(tensors, torch.device("cpu"))])
 
 
 def read_whole(loader: DataLoader) -> bool:

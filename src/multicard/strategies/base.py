@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import rules
 from ..errors import UsageError
+from ..jobs import dist
 from ..jobs.devices import Devices, cpu_threads
 from ..jobs.dist import Job
 
@@ -79,6 +80,23 @@ class Strategy:
         else:  # each process takes its share of the cores it can keep busy, not all of the machine's
             torch.set_num_threads(cpu_threads(job.local_world, torch.get_num_threads()))
 
+    def join_group(self, job: Job) -> None:
+        """This process in a process group: one joined already (by the script, or another Multicard), else the
+        job's, joined here and left by the last strategy that used it (leave_group)."""
+        if not torch.distributed.is_initialized():
+            dist.init(job, self.devices, self.timeout_s)
+            _GROUP["ours"] = True
+        _GROUP["users"] += 1
+        self.in_group = True
+
+    def leave_group(self) -> None:
+        """This strategy is done with the process group: the last to use one it joined leaves it."""
+        if getattr(self, "in_group", False):
+            self.in_group, _GROUP["users"] = False, _GROUP["users"] - 1
+        if _GROUP["users"] == 0 and _GROUP["ours"]:
+            _GROUP["ours"], _GROUP["keys"] = False, 0
+            dist.teardown()
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -133,8 +151,10 @@ class Strategy:
         """This process's value under `key` is read by all: taken away."""
 
     def new_key(self, prefix: str) -> str:
-        """A key of its own beside the job, for something made alike in every process (a replica check)."""
-        return f"{prefix}/0"
+        """A key of its own beside the job, for something made alike in every process (a replica check): counted
+        alike in every process of the group, as each makes its checks in one order."""
+        _GROUP["keys"] += 1
+        return f"{prefix}/{_GROUP['keys']}"
 
     def refresh(self, wrapper: nn.Module, model: nn.Module) -> nn.Module:
         """The wrapper to run the next forward: `wrapper`, or one built anew where it can no longer reduce what
@@ -146,3 +166,9 @@ class Strategy:
 
     def stop(self) -> None:
         """Always called, also after an error."""
+
+
+# The process group is one per process: every strategy in it shares the one joined first, and the last to close
+# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy); "keys":
+# the keys its users took beside the job. Module level: the process group is the process's, not a job's.
+_GROUP = {"users": 0, "ours": False, "keys": 0}

@@ -20,6 +20,7 @@ from ..jobs.devices import Devices, rehearsal
 from ..jobs.dist import Job
 from . import syncbn
 from .base import Strategy
+from .trains import WAIT, Trains
 
 UNFINISHED = "Expected to have finished reduction in the prior iteration"  # DDP: a parameter got no gradient
 
@@ -49,11 +50,7 @@ class DDP(Strategy):
         super().start(job)
         if torch_dist.is_initialized():  # another Multicard (or the script itself) joined the job already
             _check_group(job, self.devices)
-        else:
-            dist.init(job, self.devices, self.timeout_s)
-            _GROUP["ours"] = True
-        _GROUP["users"] += 1
-        self.in_group = True
+        self.join_group(job)
 
     def sync_batchnorm(self, model: nn.Module) -> nn.Module:
         if self.device.type == "cuda":
@@ -64,27 +61,44 @@ class DDP(Strategy):
     # LeNet-5 step on a card), and collectives answer as single's do, without a round trip through the group.
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        """DDP's wrapper, once every process trains the same parameters (trains.py); a model none of whose
+        parameters trains (all frozen: a saliency map w.r.t. the input) has nothing to reduce and runs as it is."""
         if self.world == 1:
             return model
-        sparse = [name for name, b in model.named_buffers() if b.layout != torch.strided]
+        store = torch_dist.distributed_c10d._get_default_store()  # the job's: no collective
+        made = store.add(f"multicard/trains/made/{self.rank}", 1)  # the same count on every rank: the key's
+        trains = Trains(store, f"multicard/trains/{made}", self.rank, self.world, WAIT * self.timeout_s, model)
+        self.__dict__.setdefault("trained", {})[id(model)] = trains
+        trains.agree(trains.trains, model, f"at mc.setup({type(model).__name__})")
+        return self._wrapped(model, trains.trains)
+
+    def _wrapped(self, model: nn.Module, trains: list[bool]) -> nn.Module:
+        if not any(trains):
+            return model
+        sparse = [name for name, b in model.named_buffers() if b.layout != torch.strided or b.is_quantized]
         if sparse:  # DDP cannot broadcast them: each process keeps its own (the replica check compares them)
             ignored = getattr(model, "_ddp_params_and_buffers_to_ignore", [])
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [*ignored, *sparse])
         ids = [self.device] if self.device.type == "cuda" else None
-        wrapper = DistributedDataParallel(model, device_ids=ids, find_unused_parameters=self.find_unused_parameters)
-        params = list(model.parameters())  # what trains is fixed in DDP's reducer: refresh() looks at it
-        wrapper.__dict__["_multicard_trains"] = (params, [p.requires_grad for p in params])
-        return wrapper
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=self.find_unused_parameters)
 
     def refresh(self, wrapper: nn.Module, model: nn.Module) -> nn.Module:
         """A parameter frozen (or unfrozen) since the wrapper was built: DDP's reducer would wait for its gradient
-        (or never reduce it), so a new wrapper is built at this forward (every rank freezes alike), as at setup.
-        Otherwise the same wrapper: a look at each parameter's requires_grad, no collective."""
-        params, trains = wrapper.__dict__.get("_multicard_trains", ((), []))
-        if [p.requires_grad for p in params] == trains:
+        (or never reduce it), so a new wrapper is built at this forward, once every rank is found to train the same
+        parameters (trains.py), as at setup. Otherwise the same wrapper: a look at each parameter's requires_grad,
+        one message to the job's store, no collective."""
+        trains = self.__dict__.get("trained", {}).get(id(model))
+        now = trains.forward() if trains is not None else None
+        if now is None:
             return wrapper
-        wrapper._remove_autograd_hooks()  # the old reducer's hooks leave the parameters
-        return self.wrap_model(model)
+        trains.agree(now, model, f"at forward {trains.forwards} of the set-up {type(model).__name__}")
+        if isinstance(wrapper, DistributedDataParallel):
+            wrapper._remove_autograd_hooks()  # the old reducer's hooks leave the parameters
+        return self._wrapped(model, now)
+
+    def __getstate__(self) -> dict:
+        """A copy (in a DataLoader worker) forwards nothing: it carries no set-up models (nor the store)."""
+        return {**self.__dict__, "trained": {}}
 
     def explain(self, error: BaseException, model: nn.Module) -> None:
         """DDP's error at a forward after a backward that left some parameters without a gradient."""
@@ -153,23 +167,10 @@ class DDP(Strategy):
         if self.world > 1:
             torch_dist.distributed_c10d._get_default_store().delete_key(f"multicard/{key}/{self.rank}")
 
-    def new_key(self, prefix: str) -> str:
-        _GROUP["keys"] += 1  # counted alike in every process of the group (each makes its checks in one order)
-        return f"{prefix}/{_GROUP['keys']}"
-
     def stop(self) -> None:
+        self.__dict__.pop("trained", None)
         gc.collect()  # DDP's reducer may sit in a reference cycle: free it while the group is still up
-        if getattr(self, "in_group", False):
-            self.in_group, _GROUP["users"] = False, _GROUP["users"] - 1
-        if _GROUP["users"] == 0 and _GROUP["ours"]:  # the last Multicard on a group we joined: leave it
-            _GROUP["ours"], _GROUP["keys"] = False, 0
-            dist.teardown()
-
-
-# The process group is one per process: every Multicard in it shares the one joined first, and the last to close
-# leaves it (a group the script joined itself, with init_process_group, stays the script's to destroy); "keys":
-# the keys its users took beside the job. Module level: the process group is the process's, not a job's.
-_GROUP = {"users": 0, "ours": False, "keys": 0}
+        self.leave_group()
 
 
 def _check_group(job: Job, devices: Devices) -> None:

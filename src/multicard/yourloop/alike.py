@@ -127,7 +127,11 @@ def _stream(device: torch.device) -> torch.Tensor:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in values(obj) if isinstance(t, torch.Tensor)]
+    """The tensors in `obj` (a PackedSequence by its data)."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    return [t.data if isinstance(t, PackedSequence) else t for t in values(obj)
+            if isinstance(t, (torch.Tensor, PackedSequence))]
 
 
 def _alike(strategy: Any, tensors: list[torch.Tensor]) -> bool:
@@ -140,18 +144,9 @@ def _alike(strategy: Any, tensors: list[torch.Tensor]) -> bool:
 
 
 def fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Three int64 numbers: the tensors' sizes, and the sum and position-weighted sum of each one's first FIRST
-    values read as integers (a float as its float64 bits), weighted by the tensor's place. Integer sums wrap and
-    do not depend on the order of a reduction: equal tensors give equal numbers on any device, NaNs included."""
-    total = torch.zeros(3, dtype=torch.int64, device=device)
-    for k, tensor in enumerate(tensors, 1):
-        t = tensor.detach()
-        t = torch.view_as_real(t) if t.is_complex() else t
-        if t.dim():  # the rows that hold the first values: no copy of a whole batch that is not contiguous
-            t = t[:max(1, -(-FIRST // max(1, t[0].numel())))]
-        flat = t.reshape(-1)[:FIRST]
-        bits = flat.double().contiguous().view(torch.int64) if flat.is_floating_point() else flat.long()
-        place = torch.arange(1, len(bits) + 1, dtype=torch.int64, device=bits.device)
-        numbers = torch.stack([bits.new_tensor(tensor.numel()), bits.sum(), (bits * place).sum()])
-        total += numbers.to(device) * k
-    return total
+    """Three int64 numbers (data/bits.py): the tensors' shapes and dtypes, and the sum and position-weighted sum
+    of each one's first FIRST values read as integers of its element's width. Any dtype, NaNs and empty tensors
+    included: equal tensors give equal numbers on any device."""
+    from ..data.bits import fingerprint as read
+
+    return read(tensors, device, FIRST)

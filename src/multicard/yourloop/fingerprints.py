@@ -72,6 +72,8 @@ def column_sums(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.layout != torch.strided:  # sparse (a buffer ddp leaves alone): its indices, then its values
         coo = tensor.detach().to_sparse_coo().coalesce()
         return column_sums(coo.indices()) + column_sums(coo.values())
+    if tensor.is_quantized:  # its values as floats (the scale and zero point count); its own bits cannot be viewed
+        tensor = tensor.detach().dequantize()
     flat = torch.view_as_real(tensor.detach()) if tensor.is_complex() else tensor.detach()
     flat = flat.reshape(-1)  # a copy only of a tensor that is not contiguous
     size = flat.element_size()

@@ -70,6 +70,8 @@ def explain(strategy: Strategy, label: str, value: Any, fingerprint: torch.Tenso
         shown = strategy.gather(stable(value))
         return f"{label} is {', '.join(f'{shown[r]} on rank {r}' for r in [0, *others])}"
     value = value.to_dense() if value.layout != torch.strided else value  # a sparse buffer: its values
+    value = value.dequantize() if value.is_quantized else value  # a quantized one: its values as floats
+    value = torch.view_as_real(value) if value.is_complex() else value  # a complex one: both parts
     reference = value.detach().clone()
     strategy.broadcast_tensor(reference, 0)
     gap = (value.detach().double() - reference.double()).abs()
