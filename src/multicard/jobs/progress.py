@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from ..errors import UsageError, note
 from . import closed, jobdir
+from .failures import ERROR_FILE, tell_torchrun
 from .lifeline import inherited
 
 PROGRESS = "MULTICARD_PROGRESS"  # our launchers name here the file where a rank shows how far it got
@@ -116,14 +117,21 @@ def by_closed_stdout(error: BaseException) -> bool:
 def hook_failures() -> None:
     """In a rank of a job our launcher started, an error that ends it is told to the launcher, which says once
     what went wrong: a timeout (it names the rank waited for), a bad input (one line, not a traceback per rank),
-    another rank lost (that rank is the one to name: here, one line instead of gloo's traceback)."""
+    another rank lost (that rank is the one to name: here, one line instead of gloo's traceback). Under torchrun,
+    a rank's one line also goes where torchrun's summary reads it (failures.tell_torchrun); Python prints as ever."""
     global _hooked
-    if _hooked or not isinstance(progress_slot(), memoryview):
+    ours = isinstance(progress_slot(), memoryview)
+    if _hooked or not (ours or os.environ.get(ERROR_FILE)):
         return
     _hooked, previous = True, sys.excepthook
 
     def hook(kind, error, trace):
-        error = explained(error)
+        said = explained(error)
+        tell_torchrun(said)
+        if not ours:
+            previous(kind, error, trace)
+            return
+        error = said
         failed(error)
         if by_closed_stdout(error):
             closed.end_by_sigpipe()

@@ -52,6 +52,8 @@ class DDP(Strategy):
         else:
             dist.init(job, self.devices, self.timeout_s)
             _GROUP["ours"] = True
+        if self.device.type == "cpu" and job.launched and job.world > 1 and not _GROUP["users"]:
+            self.share_cores()  # the first Multicard of this process on the group: every rank's
         _GROUP["users"] += 1
         self.in_group = True
 
