@@ -45,14 +45,20 @@ model, optimizer = mc.setup(model, torch.optim.SGD(model.parameters(), lr=0.1 * 
 
 
 @pytest.mark.slow
-def test_under_torchrun_the_ranks_one_line_is_the_root_cause(tmp_path):
+@pytest.mark.parametrize("started", ["script", "cli"])
+def test_under_torchrun_the_ranks_one_line_is_the_root_cause(tmp_path, started):
     script = tmp_path / "parted.py"
     script.write_text(PARTS)
+    what = [str(script)] if started == "script" else \
+        ["-m", "multicard", "train", "--devices", "cpu", "--data", "synthetic", "--batch-size", "3", "--quiet",
+         "--out", str(tmp_path)]
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), str(script)], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT)
+                          str(free_port()), *what], capture_output=True, text=True, timeout=HUNG_S, cwd=ROOT)
     assert out.returncode != 0
+    line = f"ReplicasParted: {PARTED}" if started == "script" else \
+        "UsageError: --batch-size 3 does not split over 2 processes; use a multiple of 2 (e.g. 2 or 4)"
     root = out.stderr.split("Root Cause (first observed failure):")[-1]
-    assert f"traceback : ReplicasParted: {PARTED}" in root, out.stderr[-3000:]
+    assert f"traceback : {line}" in root, out.stderr[-3000:]
 
 
 THREADS = """import torch
