@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..checkpoints.plain import own
 from ..checkpoints.save_load import Checkpoints
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
@@ -214,7 +215,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
                              "after model = mc.setup(model), over model.parameters()")
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
-        name, model = type(model).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
+        name, model = type(own(model)).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
         syncbn.say_unsynced(model, self.world_size, self.is_main)  # BatchNorm left per process: one line, once
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
@@ -292,7 +293,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping):
         return owners.steps()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The plain model inside what setup returned."""
+        """The plain model inside what setup returned (or torch.compile made of it)."""
+        model = own(model)
         return model.module if isinstance(model, Prepared) else self._strategy.unwrap(model)
 
     # -- memory ----------------------------------------------------------------------------------------------
