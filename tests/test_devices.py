@@ -321,6 +321,7 @@ def test_a_process_takes_its_share_of_the_usable_cores_and_never_follows_the_loa
     assert devices.cpu_threads(1, 2) == 2  # the script's (or torch's) own count, when lower
     assert devices.cpu_threads(3, 8) == 1
     assert devices.cpu_threads(8, 8) == 1
+    assert devices.cpu_threads(2, 8) == 2 and devices.cpu_threads(2, 1) == 1  # on 2 processes too: the lower count
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     assert devices.cpu_threads(1, 6) == 6
 

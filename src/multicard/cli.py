@@ -269,13 +269,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from .jobs.devices import openmp_env
-    from .jobs.failures import RankFailed, Stopped, said
+    from .jobs.failures import RankFailed, Stopped, said, tell_torchrun
 
     os.environ.update(openmp_env(1, os.environ))  # how OpenMP's threads wait: read once, as torch is imported
 
     try:
         return args.run(args)
     except UsageError as e:
+        tell_torchrun(e)  # a rank torchrun started (torchrun -m multicard train): the line in torchrun's summary too
         print(f"multicard: error: {e}", file=sys.stderr)
         return 2
     except RankFailed as e:

@@ -6,6 +6,7 @@ import errno
 import io
 import random
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,15 @@ def unprefixed(state: dict) -> dict:
     while state and (prefix := next((p for p in PREFIXES if all(k.startswith(p) for k in state)), None)):
         state = {k[len(prefix):]: v for k, v in state.items()}
     return state
+
+
+def own(module: nn.Module) -> nn.Module:
+    """The user's own model inside torch.compile's wrappers (an OptimizedModule puts `_orig_mod.` before every
+    key); `module` where it is not compiled."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (nothing was compiled where torch never loaded it)
+    while eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        module = module._orig_mod
+    return module
 
 
 def save(model: nn.Module, path: str | Path) -> Path:
@@ -151,7 +161,8 @@ def load_into(model: nn.Module, state: Any, what: str, load_module: Callable | N
     model as it was."""
     if wrong := misfit(model, state):
         raise UsageError(f"{what}: {wrong}")
-    (load_module or type(model).load_state_dict)(model, unprefixed(state))
+    target = model if load_module else own(model)  # a compiled model: its keys as yours
+    (load_module or type(target).load_state_dict)(target, unprefixed(state))
     return model
 
 
@@ -159,14 +170,13 @@ def misfit(model: nn.Module, state: Any) -> str | None:
     """How `state` does not fit `model` (names and shapes), in a few words; None where it fits."""
     if not is_state_dict(state):
         return "holds no state_dict of tensors"
-    state = unprefixed(state)
-    own = model.state_dict()
-    missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    wrong = [k for k in own if k in state and own[k].shape != state[k].shape]  # in model order: one message
+    state, mine = unprefixed(state), own(model).state_dict()
+    missing, extra = sorted(mine.keys() - state.keys()), sorted(state.keys() - mine.keys())
+    wrong = [k for k in mine if k in state and mine[k].shape != state[k].shape]  # in model order: one message
     if not (missing or extra or wrong):
         return None
     first = (missing and f"missing {missing[0]}") or (extra and f"unexpected {extra[0]}") or \
-        f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(own[wrong[0]].shape)}"
+        f"{wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the model {tuple(mine[wrong[0]].shape)}"
     return f"does not fit the model ({len(missing)} missing, {len(extra)} unexpected, {len(wrong)} mis-shaped; " \
         f"{first})"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,12 +220,23 @@ def openmp_env(nprocs: int, env: dict[str, str]) -> dict[str, str]:
 def cpu_threads(local_world: int, current: int) -> int:
     """Intra-op threads for one of `local_world` processes on this machine's CPU, running `current` now.
     OMP_NUM_THREADS, where set (by the user, our launcher or torchrun), is kept, as torch keeps it. Else a share of
-    the cores the process can keep busy: cores // local_world, or for one process torch's own count up to them.
-    Never the machine's load: a count that followed it would change the numbers (a sum over threads adds in
-    another order) from one run to the next; how the threads wait is the lever for a busy machine (PASSIVE)."""
+    the cores the process can keep busy: cores // local_world, or fewer where `current` is fewer (torch's own count,
+    or the user's torch.set_num_threads). Never the machine's load: a count that followed it would change the
+    numbers (a sum over threads adds in another order) from one run to the next; how the threads wait is the lever
+    for a busy machine (PASSIVE)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return current
-    return max(1, usable_cores() // local_world) if local_world > 1 else max(1, min(current, usable_cores()))
+    return max(1, min(current, usable_cores() // local_world))
+
+
+def machine() -> str:
+    """This machine among a job's: its host name and this boot's id (two hosts that share a name differ in it;
+    the processes of one machine share its cores whatever launcher started them)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def count_cards() -> tuple[int, bool]:

@@ -1,16 +1,21 @@
 """How a job ended badly, as the caller sees it: RankFailed (a rank failed: its traceback, or a sentence naming
 it) and Stopped (a signal to the launcher stopped the job). In a notebook each shows briefly (_render_traceback_).
+Under torchrun, a rank's one line goes where torchrun's summary reads how the rank failed (tell_torchrun).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import signal
 import sys
+import time
 
-from ..errors import note
+from ..errors import UsageError, note
+
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # torchrun's agent names here the file it reads when this rank fails
 
 
 class RankFailed(Exception):
@@ -64,3 +69,17 @@ def end_as_signal(error: Stopped) -> None:
             stream.flush()
     signal.signal(error.signum, signal.SIG_DFL)
     os.kill(os.getpid(), error.signum)
+
+
+def tell_torchrun(error: BaseException) -> None:
+    """A rank torchrun started ends with one line (`error`, a UsageError: bad input, or an error multicard read as
+    one): the line goes into the rank's error file, written as torch's ErrorHandler writes one (JSON), so that
+    torchrun's summary shows it as the root cause instead of "To enable traceback see: ...". Called from the hook
+    that sees the rank's uncaught error; nothing happens outside torchrun or for any other error."""
+    path = os.environ.get(ERROR_FILE)
+    if not path or not isinstance(error, UsageError):
+        return
+    line = f"{type(error).__name__}: {error}"  # shown as the failure's "traceback"
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as f:  # (torch's own writer ignores a failure too)
+        json.dump(data, f)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from ..errors import UsageError, note
 from . import closed, failures, jobdir, protocol
+from .failures import tell_torchrun
 from .lifeline import inherited
 from .protocol import LOST_PEER, PROGRESS, TIMED_OUT_STATE, Slot
 
@@ -119,7 +120,8 @@ def hook_failures() -> None:
     or a note under its message); a Stopped ends the process as its signal would (failures.end_as_signal). In a
     rank of a job our launcher started, how it failed is told to the launcher, which says once what went wrong: a
     timeout (it names the rank waited for), a bad input (one line, not a traceback per rank), another rank lost
-    (that rank is the one to name: one line instead of gloo's traceback). Anything else: the hook found before."""
+    (that rank is the one to name: one line instead of gloo's traceback). Under torchrun, a rank's one line also goes
+    where torchrun's summary reads it (failures.tell_torchrun). Anything else: the hook found before."""
     previous = sys.excepthook
     if getattr(previous, "multicard", False):
         return
@@ -129,6 +131,7 @@ def hook_failures() -> None:
             failures.end_as_signal(error)
             return
         said = explained(error)
+        tell_torchrun(said)
         if said is not error:
             kind, error, trace = type(said), said, None
         if not progress_slot().mapped:

@@ -7,6 +7,7 @@ model AND the criterion, so dp-balanced can keep outputs and losses on the cards
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,9 @@ import torch
 from torch import nn
 
 from .. import rules
-from ..errors import UsageError
+from ..errors import UsageError, note
 from ..jobs import dist
-from ..jobs.devices import Devices, cpu_threads
+from ..jobs.devices import Devices, cpu_threads, machine, usable_cores
 from ..jobs.dist import Job
 
 
@@ -86,6 +87,8 @@ class Strategy:
         if not torch.distributed.is_initialized():
             dist.init(job, self.devices, self.timeout_s)
             _GROUP["ours"] = True
+        if self.device.type == "cpu" and job.launched and job.world > 1 and not _GROUP["users"]:
+            self.share_cores()  # the first Multicard of this process on the group: every rank's
         _GROUP["users"] += 1
         self.in_group = True
 
@@ -96,6 +99,23 @@ class Strategy:
         if _GROUP["users"] == 0 and _GROUP["ours"]:
             _GROUP["ours"], _GROUP["keys"] = False, 0
             dist.teardown()
+
+    def share_cores(self) -> None:
+        """CPU, 2+ processes, once the job meets (every rank calls it): the processes on this machine divide its
+        cores, however many the launcher said were here (torchrun --nnodes 2 or SLURM's 2 nodes of 1 task, run on
+        one machine, tell each it is alone). Where OMP_NUM_THREADS keeps more threads than the cores, one line."""
+        here = machine()
+        machines = self.gather(here)
+        ranks = [rank for rank, m in enumerate(machines) if m == here]
+        if len(ranks) > self.job.local_world:
+            torch.set_num_threads(cpu_threads(len(ranks), torch.get_num_threads()))
+        threads = [t for rank, t in enumerate(self.gather(torch.get_num_threads())) if rank in ranks]
+        cores = usable_cores()
+        if len(ranks) > 1 and sum(threads) > cores and self.rank == ranks[0]:
+            note(f"{len(ranks)} processes on this machine run {sum(threads)} threads on its {cores} cores "
+                 f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}): each waits on the others; set "
+                 f"OMP_NUM_THREADS={max(1, cores // len(ranks))} (cores // processes), or unset it and the processes "
+                 f"divide the cores")
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model

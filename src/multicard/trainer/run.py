@@ -161,7 +161,7 @@ def worker(mc: Multicard, model: nn.Module, train_data: Dataset, test_data: Data
     given_optimizer, given_scheduler, every = recipe
     torch.manual_seed(config.seed + mc.rank)  # per rank: dropout differs
     cuda = mc.device.type == "cuda"
-    name = type(model).__name__  # before setup: fsdp makes the class a subclass of its own
+    name = type(checkpoint.own(model)).__name__  # before setup (fsdp makes the class its own), inside compile
     batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     # the auto choices, settled for this process (and so recorded in summary.json's config)
     config = config.settled(mc.world_size)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import rules
+from ..checkpoints.plain import own
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher, progress
@@ -224,7 +225,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
                              "after model = mc.setup(model), over model.parameters()")
         if self.sync_batchnorm:  # the same parameter objects: optimizers built before keep working
             model = self._strategy.sync_batchnorm(model)
-        name, model = type(model).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
+        name, model = type(own(model)).__name__, model.to(self.device)  # (the class's name before fsdp makes its own)
         syncbn.say_unsynced(model, self.world_size, self.is_main, self._job_state.warned)  # one line, once a job
         self._replicas.sharding(model)
         forward = self._strategy.wrap_model(model)
@@ -239,10 +240,9 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
         """For optimizers built after setup(model): given back as they are, but fp16's step() goes through the
         gradient scaler, and on 2+ processes step(closure) gets the whole batch's loss (LBFGS steps as on one)."""
         self._start()
-        job = self._job_state
         for optimizer in optimizers:
-            job.params.set_up(optimizer)  # its parameters outside the set-up models: averaged at each step
-            closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped, job)
+            self._job_state.params.set_up(optimizer)  # its parameters outside the set-up models: averaged at each step
+            closure.set_up_step(optimizer, self._strategy, self.scaler, self._skipped, self._job_state)
             self._replicas.watch(optimizer)
         self._replicas.check("after mc.setup")  # weights or settings that differ from the start
         return optimizers[0] if len(optimizers) == 1 else optimizers
@@ -307,7 +307,8 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
         return self._strategy.local_batch(batch, "the DataLoader's batch_size", hint, accumulate)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The plain model inside what setup returned."""
+        """The plain model inside what setup returned (or torch.compile made of it)."""
+        model = own(model)
         return model.module if isinstance(model, Prepared) else self._strategy.unwrap(model)
 
 

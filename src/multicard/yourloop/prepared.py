@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoints.plain import unprefixed
+from ..checkpoints.plain import own, unprefixed
 from ..errors import UsageError
 from ..jobs.trees import values
 from . import determinism
@@ -40,7 +40,7 @@ class Prepared(nn.Module):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Prepared:
         module = args[1] if len(args) > 1 else kwargs.get("module")
-        if cls is Prepared and any(hasattr(type(module), name) for name in CONTAINER):
+        if cls is Prepared and any(hasattr(type(own(module)), name) for name in CONTAINER):
             cls = Container  # a Sequential, ModuleList, ModuleDict (or a class of the user's) indexes as itself
         return super().__new__(cls)
 
@@ -99,7 +99,9 @@ class Prepared(nn.Module):
             self._job.replicas.forwarded()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.module.state_dict(*args, **kwargs)
+        """Your model's keys: no wrapper's prefix, nor torch.compile's (`_orig_mod.`) where it was compiled before
+        setup; inside a module of yours (or torch.compile(model)), under that module's prefix."""
+        return own(self.module).state_dict(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """copy.deepcopy(model), and so AveragedModel(model) (an EMA): a copy of your model, outside every wrapper.
@@ -112,7 +114,19 @@ class Prepared(nn.Module):
         return copy.deepcopy(self.module, memo)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(unprefixed(state_dict), strict, assign)
+        """Your model's keys (or theirs under a wrapper's or torch.compile's prefix), compiled before setup or not."""
+        return own(self.module).load_state_dict(unprefixed(state_dict), strict, assign)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        """Loaded as a part of a bigger module (torch.compile(model), a dict of models): the keys state_dict()
+        gave under `prefix` go to your model where it sits inside the wrapper (torch loads the children next)."""
+        inner = own(self.module)
+        path = next((name for name, module in self.named_modules() if module is inner), None)
+        if path:
+            keys = [k for k in state_dict if k.startswith(prefix)]
+            mine = unprefixed({k[len(prefix):]: state_dict.pop(k) for k in keys})
+            state_dict.update({f"{prefix}{path}.{k}": v for k, v in mine.items()})
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     # -- reading and writing attributes ----------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -222,31 +236,31 @@ class Container(Prepared):
     (model[3] = nn.Linear(...)) on 2+ processes is refused: its parameters would not be reduced."""
 
     def __getitem__(self, key: Any) -> Any:
-        return self.module[key]
+        return own(self.module)[key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if self._reduced and _holds_parameters(value):
             raise UsageError(f"model[{key!r}] = {type(value).__name__}(...) after setup: its parameters would not be "
                              f"in the gradient reduction between processes; add it to the model before mc.setup")
-        self.module[key] = value
+        own(self.module)[key] = value
 
     def __delitem__(self, key: Any) -> None:
-        if self._reduced and _holds_parameters(self.module[key]):
+        if self._reduced and _holds_parameters(own(self.module)[key]):
             raise UsageError(f"del model[{key!r}] after setup: the wrapper would still wait for its parameters' "
                              f"gradients; remove it from the model before mc.setup")
-        del self.module[key]
+        del own(self.module)[key]
 
     def __len__(self) -> int:
-        return len(self.module)
+        return len(own(self.module))
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.module)
+        return iter(own(self.module))
 
     def __contains__(self, item: Any) -> bool:
-        return item in self.module
+        return item in own(self.module)
 
     def __bool__(self) -> bool:
-        return bool(self.module)
+        return bool(own(self.module))
 
 
 

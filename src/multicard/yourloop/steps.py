@@ -1,5 +1,5 @@
 """The training step of a user's loop: Multicard.backward, clip_gradients, no_backward_sync, mark_forward and
-autocast (a mixin of Multicard, beside ranks.py and checkpoints/save_load.py)."""
+autocast (a mixin of Multicard, beside ranks.py and saving.py)."""
 
 from __future__ import annotations
 
