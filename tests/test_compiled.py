@@ -68,7 +68,8 @@ def test_the_trainers_files_of_a_compiled_model_hold_your_keys_and_resume(tmp_pa
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     keys = list(net.state_dict())
-    recipe = dict(strategy="single", devices="cpu", batch_size=16, quiet=True, out=str(tmp_path), save_every=1)
+    recipe = dict(strategy="single", devices="cpu", batch_size=16, scheduler="none", quiet=True, out=str(tmp_path),
+                  save_every=1)
     multicard.train(torch.compile(net), tiny_images(32, 0), None, epochs=1, **recipe)
     assert list(torch.load(tmp_path / "model.pt", weights_only=True)) == keys
     (state,) = tmp_path.glob("checkpoints/step-*/state.pt")
