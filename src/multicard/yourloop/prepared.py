@@ -57,14 +57,7 @@ class Prepared(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         device_type, dtype = self._autocast
-        if self._reduced and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._arm()
-        job = self._job
-        weight = job.share.weight_for((args, kwargs)) if self._reduced else 1.0  # its rows of an uneven split
-        job.habits.forwarded()
-        if self._reduced:  # 2+ processes: the draws since the last forward, and the first training one's inputs,
-            job.inputs.compare()  # compared (alike.py)
-            job.inputs.forwarded((args, kwargs), self.training)
+        weight = self._before_forward(args, kwargs)
         try:
             if dtype is None:
                 out = self.forward_module(*args, **kwargs)
@@ -75,14 +68,33 @@ class Prepared(nn.Module):
             determinism.check(error)  # an op with no deterministic version: one line
             if self._strategy is not None:  # ddp: a parameter that got no gradient in the last backward
                 self._strategy.explain(error, self.module)
-            said = job.habits.explain(error)  # a shape naming the global batch; an empty evaluation batch
+            said = self._job.habits.explain(error)  # a shape naming the global batch; an empty evaluation batch
             if said is not None:
                 raise said from None
             raise
+        return self._after_forward(out, weight)
+
+    # multicard's bookkeeping around the forward runs as it is under torch.compile(model) after setup: compiled, it
+    # would be traced (and traced again as its counts change) at every forward
+    @torch.compiler.disable
+    def _before_forward(self, args: tuple, kwargs: dict) -> float:
+        """The wrapper armed, the job told of the forward; returns the weight of its rows of an uneven split."""
+        job = self._job
+        if self._reduced and torch.is_grad_enabled():
+            self._arm()
+        weight = job.share.weight_for((args, kwargs)) if self._reduced else 1.0
+        job.habits.forwarded()
+        if self._reduced:  # 2+ processes: the draws since the last forward, and the first training one's inputs,
+            job.inputs.compare()  # compared (alike.py)
+            job.inputs.forwarded((args, kwargs), self.training)
+        return weight
+
+    @torch.compiler.disable
+    def _after_forward(self, out: Any, weight: float) -> Any:
         if self._reduced and torch.is_grad_enabled():  # an uneven share of the batch's rows: weighted
-            out = job.share.weigh(out, weight)
+            out = self._job.share.weigh(out, weight)
         if isinstance(self.forward_module, DistributedDataParallel) and torch.is_grad_enabled() and \
-                self.forward_module.require_backward_grad_sync and not torch.compiler.is_compiling():
+                self.forward_module.require_backward_grad_sync:
             self._watch_backward(out)
         return out
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..checkpoints.plain import own
 from ..errors import UsageError
 from ..jobs.progress import watched
 from . import determinism
@@ -55,6 +56,7 @@ class Steps:
         accumulated ones; the next backward outside reduces the sum. `model` is what setup returned. Under ddp
         the FORWARD decides: run forward and backward inside (a backward inside whose forward ran outside is
         still reduced; that is said once on stderr). fsdp skips by backward, so backward inside is enough."""
+        model = own(model)  # torch.compile(model) after setup: the set-up model inside
         if not isinstance(model, Prepared):
             raise UsageError(f"no_backward_sync(model) takes the model mc.setup returned, not a plain "
                              f"{type(model).__name__} (model.module or the model before setup cannot skip the "
@@ -67,6 +69,7 @@ class Steps:
         """Methods of your model that run its layers outside forward (model.encode(x), model.generate(...)):
         under ddp and fsdp, each call with gradients on then runs through the wrapper's forward, so their
         gradients are reduced. Unmarked, such a call is one error naming it (other strategies need nothing)."""
+        model = own(model)
         if not isinstance(model, Prepared):
             raise UsageError("mark_forward(model, ...) takes the model mc.setup returned")
         for name in names:
