@@ -244,5 +244,22 @@ def test_table_markdown_and_plot_mark_what_is_in_doubt(tmp_path):
     md = markdown(report)
     assert "**Warning: ddp x2 scaling 503% is noise.**" in md and "| 30% \\* | 4.3/2 ! |" in md
     assert md.index("**Warning") < md.index("| cell |")  # read before the numbers
-    plot(report, tmp_path / "bench.png")
+    said = plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+    assert said == ["throughput and scaling", "peak memory"]  # nothing held was measured: no panel for it
+
+
+def test_the_plot_shows_what_each_process_held_on_a_scale_of_its_own(tmp_path):
+    """Beside a peak of hundreds of MB the few MB of a small model's parameters, gradients and optimizer state
+    would not show: they get a panel of their own, each part labelled with its MB."""
+    results = {"cells": [cell("single", 1, [100, 100]), cell("fsdp", 2, [150, 160])]}
+    for c, held in zip(results["cells"], ([{"params": 0.24, "grads": 0.24, "optimizer": 0.47}],
+                                          [{"params": 0.12, "grads": 0.12, "optimizer": 0.24}] * 2), strict=True):
+        c.update(ms_per_step=1.0, peak_memory_mb=[340.0] * c["devices"], imbalance=1.0, card_used_mb=[],
+                 shard_mb=held, world_size=c["devices"], device_names=["cpu"] * c["devices"])
+    derive(results)
+    report = {"config": {"model": "lenet5"}, "torch": "2", "hardware": {"cpu": "cpu", "cores": 2, "cards": []},
+              "date": "2026-01-01T00:00:00+00:00", **results}
+    said = plot(report, tmp_path / "bench.png")
+    assert said[:3] == ["throughput and scaling", "peak memory", "held at the first step (each process)"]
+    assert sorted(said[3:]) == sorted(["0.24", "0.24", "0.47", "0.95"] + ["0.12", "0.12", "0.24", "0.48"] * 2)

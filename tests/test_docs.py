@@ -307,3 +307,32 @@ def test_every_diff_shown_is_the_readmes():
     diffs = [(where, text) for where, lang, text in blocks() if lang == "diff"]
     readme = next(text for where, text in diffs if where.startswith("README"))
     assert all(text == readme for where, text in diffs), [where for where, text in diffs if text != readme]
+
+
+def test_the_accelerate_page_maps_every_call_to_what_multicard_has():
+    """docs/from-accelerate.md: every `mc.NAME` it names is the object's, with the keywords it gives; every loader
+    attribute its port reads is the set-up loader's; every Accelerate call its Accelerate loop makes has a row."""
+    import inspect
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import multicard
+
+    text = Path(ROOT, "docs", "from-accelerate.md").read_text()
+    named = set(re.findall(r"\bmc\.(\w+)", text))
+    assert {"setup", "is_main", "barrier", "gather_in_order"} <= named
+    assert {n for n in named if not hasattr(multicard.Multicard, n)} == set()
+    for name, inside in re.findall(r"\bmc\.(\w+)\(([^()]*)\)", text):
+        given = set(re.findall(r"\b(\w+)=", inside))
+        assert given <= set(inspect.signature(getattr(multicard.Multicard, name)).parameters), (name, given)
+    options = {k for inside in re.findall(r"Multicard\(([^()]*)\)", text) for k in re.findall(r"\b(\w+)=", inside)}
+    assert options and options <= set(inspect.signature(multicard.Multicard).parameters), options
+    port = next(t for where, t in PYTHON if where.startswith("from-accelerate") and "mc.setup" in t)
+    loader = multicard.Multicard("single", "cpu").setup_dataloader(DataLoader(TensorDataset(torch.zeros(8, 1)), 4),
+                                                                    accumulate=2)
+    read = set(re.findall(r"\btrain_dl\.(\w+)", port))
+    assert {"step_ends", "share", "epoch"} <= read and {n for n in read if not hasattr(loader, n)} == set()
+    accelerate = next(t for where, lang, t in blocks() if lang == "python accelerate")
+    table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+    assert set(re.findall(r"accelerator\.(\w+)", accelerate)) <= set(re.findall(r"accelerator\.(\w+)", table))

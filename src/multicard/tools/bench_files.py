@@ -1,5 +1,6 @@
-"""The bench's files: bench.json, bench.md and the PNG plot (throughput and scaling beside peak memory per card or
-process). Imported only when a bench runs: matplotlib loads here."""
+"""The bench's files: bench.json, bench.md and the PNG plot (throughput and scaling, peak memory per card or process,
+and what each held of parameters, gradients and optimizer state, on a scale of its own). Imported only when a bench
+runs: matplotlib loads here."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ import os
 from pathlib import Path
 
 from .. import safefs
-from .bench_report import held, markdown, rows, unit
+from .bench_report import KINDS, markdown, mb, rows, unit
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path) -> list[str]:
+    """Writes the PNG; returns each panel's title, then every number written on the held panel (for the tests)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.4))
+    measured = rows(report)
+    shares = [(i, r) for i, r in enumerate(measured) if r.get("shard_mb") and all(r["shard_mb"])]
+    fig, (left, right, *parts) = plt.subplots(1, 3 if shares else 2, figsize=(17 if shares else 12, 5.4),
+                                              width_ratios=[1.1, 1, 1] if shares else None)
     counts = sorted({c["devices"] for c in report["cells"]} | {1})
     strategies = list(dict.fromkeys(c["strategy"] for c in report["cells"]))
     step = 0.025 * (max(counts) - min(counts) or 1)  # each strategy a little aside, so error bars do not overlap
@@ -59,23 +64,19 @@ def plot(report: dict, path: Path) -> None:
         left.set_ylim(0, 1.12 * max(values))  # room above the top point for its label
     left.grid(alpha=0.3)
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)  # below: never over a line
-    measured = rows(report)
     most = max(len(r["peak_memory_mb"]) for r in measured)
     width = 0.8 / most
     for k in range(most):  # bar k of every row that has a k-th card / process, each row's bars centred on it
         mine = [(i, r["peak_memory_mb"]) for i, r in enumerate(measured) if k < len(r["peak_memory_mb"])]
         right.bar([i + (k - (len(m) - 1) / 2) * width for i, m in mine], [m[k] for _, m in mine], width,
                   label=f"{unit(report)} {k}")
-    for k in range(most):  # inside each process's bar, hatched: what it held of params, grads and optimizer state
-        mine = [(i, r, held(r)) for i, r in enumerate(measured) if held(r) and k < len(held(r))]
-        right.bar([i + (k - (len(r["peak_memory_mb"]) - 1) / 2) * width for i, r, _ in mine],
-                  [h[k] for _, _, h in mine], width, fill=False, hatch="//", edgecolor="black", linewidth=0,
-                  label="held: params + grads + optimizer" if k == 0 and mine else None)
     right.set_xticks(range(len(measured)),
                      [f"{r['strategy']}\nx{r['devices']}" for r in measured], fontsize=8)
     right.set(ylabel=f"peak MB per {unit(report)}", title="peak memory",
               ylim=(0, 1.35 * max(max(r["peak_memory_mb"]) for r in measured)))  # the legend above the bars
     right.legend(fontsize=8)
+    if shares:
+        held_panel(parts[0], report, shares)
     hw = report["hardware"]
     fig.suptitle(f"multicard bench: {report['config']['model']}; {hw['cpu']} ({hw['cores']} cores), "
                  f"{', '.join(hw['cards']) or 'no GPU'}; torch {report['torch']}; {report['date'][:10]}", fontsize=9)
@@ -85,7 +86,32 @@ def plot(report: dict, path: Path) -> None:
                  color="firebrick")
     fig.tight_layout(rect=(0, 0, 1, 0.92 if heads else 1))
     fig.savefig(path, dpi=120)
+    said = [ax.get_title() for ax in fig.axes] + [t.get_text() for ax in parts for t in ax.texts]
     plt.close(fig)
+    return said
+
+
+def held_panel(ax, report: dict, shares: list[tuple[int, dict]]) -> None:
+    """What each process held at the first optimizer step, stacked by kind on a scale of its own (beside a peak of
+    hundreds of MB a small model's few MB would not show), each part labelled with its MB where it has room."""
+    width = 0.8 / max(len(r["shard_mb"]) for _, r in shares)
+    bars = [(i + (k - (len(r["shard_mb"]) - 1) / 2) * width, s) for i, r in shares for k, s in enumerate(r["shard_mb"])]
+    highest = max(sum(s[kind] for kind in KINDS) for _, s in bars)
+    bottom = [0.0] * len(bars)
+    for kind, color in zip(KINDS, ("tab:blue", "tab:orange", "tab:green"), strict=True):
+        sizes = [s[kind] for _, s in bars]
+        ax.bar([x for x, _ in bars], sizes, width * 0.9, bottom=bottom, color=color, edgecolor="white", label=kind)
+        for (x, _), low, size in zip(bars, bottom, sizes, strict=True):
+            if size > 0.08 * highest:
+                ax.text(x, low + size / 2, mb(size), ha="center", va="center", fontsize=7, color="white")
+        bottom = [b + v for b, v in zip(bottom, sizes, strict=True)]
+    for (x, _), top in zip(bars, bottom, strict=True):  # each process's whole, above its bar
+        ax.annotate(mb(top), (x, top), ha="center", va="bottom", fontsize=7, textcoords="offset points",
+                    xytext=(0, 2))
+    ax.set_xticks([i for i, _ in shares], [f"{r['strategy']}\nx{r['devices']}" for _, r in shares], fontsize=8)
+    ax.set(ylabel=f"MB per {unit(report)}", ylim=(0, 1.3 * highest),
+           title="held at the first step (each process)")
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def write(report: dict, out: Path) -> list[Path]:
