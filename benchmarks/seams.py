@@ -1,8 +1,8 @@
 """What the seams' checks cost a training step (issues 40 and 50): the job's pre-step hook on every optimizer step
 (yourloop/job_state.py and outside_params.py: is this the job's optimizer, are its parameters held by a set-up
-model?), the set-up model's forward asking whether it is the first training one (yourloop/alike.py), and mc.local's
-fingerprint of each global batch and of torch's random state, compared at the next reduced forward (one all-reduce);
-ddp on 2 gloo processes on the CPU.
+model?), the set-up model's forward asking whether it is the first training one (yourloop/inputs_alike.py), and
+mc.local's fingerprint of each global batch and of torch's random state, compared at the next reduced forward (one
+all-reduce); ddp on 2 gloo processes on the CPU.
 
 Result: not measured on an idle machine yet (run the command below on one; the first figures, taken on a busy
 2-core machine, are preliminary and not recorded here).

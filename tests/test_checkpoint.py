@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import bounded
-from multicard.checkpoints import plain as checkpoint
+from multicard.checkpoints import files as checkpoint
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 
@@ -192,9 +192,9 @@ def test_a_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_checkpoint_write_stopped_by_a_file_size_limit_is_one_line(tmp_path):
-    from multicard.checkpoints import plain as checkpoint
+    from multicard.checkpoints import files as checkpoint
 
-    done = bounded("import resource, torch\nfrom multicard.checkpoints import plain as checkpoint\n"
+    done = bounded("import resource, torch\nfrom multicard.checkpoints import files as checkpoint\n"
                    "from multicard.errors import UsageError\n"
                    "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
                    f"try:\n    checkpoint.write_atomic({{'w': torch.zeros(100000)}}, {str(tmp_path / 'state.pt')!r})\n"

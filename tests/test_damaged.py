@@ -17,7 +17,7 @@ from torch import nn
 
 import multicard
 from conftest import light, train
-from multicard.checkpoints import plain as checkpoint
+from multicard.checkpoints import files as checkpoint
 from multicard.checkpoints import resume
 from multicard.errors import UsageError
 from multicard.models import LeNet5

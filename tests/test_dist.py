@@ -19,7 +19,7 @@ import pytest
 from conftest import HUNG_S, JOB_VARIABLES, ROOT, clean_env
 from multicard import rules
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, outcome, progress, protocol
+from multicard.jobs import dist, job_end, launcher, progress, protocol
 from multicard.jobs.devices import Devices
 from multicard.jobs.dist import Job, backend_for, first_host, job_from_env, rendezvous_env
 
@@ -97,7 +97,7 @@ def test_a_rank_reads_what_our_launcher_hands_it(tmp_path):
     env = launcher.job_env(1, 2, 1234, str(tmp_path))
     assert {k: v for k, v in env.items() if k.startswith("MULTICARD_")} == {
         "MULTICARD_LAUNCHER": "multicard", "MULTICARD_LAUNCHER_PID": str(os.getpid()),
-        "MULTICARD_PROGRESS": outcome.slot_path(str(tmp_path), 1)}
+        "MULTICARD_PROGRESS": job_end.slot_path(str(tmp_path), 1)}
     handed = protocol.from_env(env)
     assert handed.ours and protocol.to_env(handed) == {k: v for k, v in env.items() if k.startswith("MULTICARD_")}
     assert protocol.from_env({}) == protocol.Handed() and not protocol.Handed().ours
@@ -111,7 +111,7 @@ def test_a_rank_reads_what_our_launcher_hands_it(tmp_path):
 
 
 def test_the_progress_slot_round_trips_its_named_fields(tmp_path):
-    path = outcome.slot_path(str(tmp_path), 0)
+    path = job_end.slot_path(str(tmp_path), 0)
     progress.new_slot(path)
     assert protocol.read_slot(path).fields() == dict.fromkeys(protocol.FIELDS, 0.0)
     written = {"last": 12.5, "timeout": 30.0, "state": protocol.LOST_PEER, "batches": 7.0, "passes": 1.0}

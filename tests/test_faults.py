@@ -23,7 +23,7 @@ import pytest
 import multicard
 from conftest import HUNG_S, JOB_VARIABLES, ROOT, clean_env, ended, gone, left, run_cli, running, session, started, stat
 from multicard.errors import UsageError
-from multicard.jobs import dist, launcher, lifeline, outcome, progress, protocol
+from multicard.jobs import dist, job_end, launcher, launcher_watch, progress, protocol
 from multicard.jobs.dist import Job
 
 TRAIN = ["train", "--devices", "cpu:2", "--data", "synthetic", "--synthetic-samples", "512", "--epochs", "50",
@@ -278,7 +278,7 @@ def test_an_impossible_job_is_one_line_at_once(tmp_path, env, words):
 @pytest.fixture
 def slot(tmp_path, monkeypatch):
     """This process as rank 0 of a job our launcher started: its progress file."""
-    path = outcome.slot_path(str(tmp_path), 0)
+    path = job_end.slot_path(str(tmp_path), 0)
     progress.new_slot(path)
     monkeypatch.setenv(progress.PROGRESS, path)
     progress.progress_slot.cache_clear()  # mapped afresh, as a new rank maps it
@@ -314,10 +314,10 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         for rank in range(3):
-            progress.new_slot(outcome.slot_path(folder, rank))
+            progress.new_slot(job_end.slot_path(folder, rank))
 
         def show(rank: int, last: float, timed_out: bool = False) -> None:
-            slot = protocol.mapped(outcome.slot_path(folder, rank))
+            slot = protocol.mapped(job_end.slot_path(folder, rank))
             slot.last, slot.timeout, slot.state = last, 5.0, protocol.TIMED_OUT_STATE if timed_out else 0.0
 
         now = time.monotonic()
@@ -325,16 +325,16 @@ def test_blame_falls_on_the_stopped_rank_else_the_one_without_progress(tmp_path)
         show(1, now - 1)
         show(2, now - 9)
         others = {1: sleepers[0].pid, 2: sleepers[1].pid}
-        assert outcome.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
+        assert job_end.blame(0, others, folder) is None  # rank 0 did not time out: it failed on its own
         show(0, now - 6, timed_out=True)
-        rank, why = outcome.blame(0, others, folder)
+        rank, why = job_end.blame(0, others, folder)
         assert rank == 2 and why.startswith("rank 2 stopped making progress (no progress from it for 9 s; rank 0 "
                                             "timed out waiting for it after 5 s")
         os.kill(sleepers[0].pid, signal.SIGSTOP)
         deadline = time.monotonic() + 5
         while stat(sleepers[0].pid)[0] != "T" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert outcome.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
+        assert job_end.blame(0, others, folder) == (1, "rank 1 stopped making progress (it was stopped by a signal; "
                                                         "rank 0 timed out waiting for it after 5 s)")
     finally:
         for sleeper in sleepers:
@@ -364,15 +364,15 @@ def test_a_rendezvous_names_who_is_missing(monkeypatch):
 def test_a_rank_that_only_lost_another_is_not_named_first(tmp_path):
     folder = str(tmp_path)
     for rank in range(3):
-        progress.new_slot(outcome.slot_path(folder, rank))
-    slot = protocol.mapped(outcome.slot_path(folder, 0))
+        progress.new_slot(job_end.slot_path(folder, rank))
+    slot = protocol.mapped(job_end.slot_path(folder, 0))
     slot.last, slot.timeout, slot.state = 1.0, 5.0, protocol.LOST_PEER
     codes = {0: 1, 1: 3, 2: 0}
     order = [[0], [], [1], [2]]  # rank 0 is seen to end first (its gloo error), rank 1 (the cause) a moment later
     ended = lambda running, timeout: order.pop(0) if order else []  # noqa: E731
-    assert outcome.first_to_fail(3, ended, codes.get, folder) == 1
+    assert job_end.first_to_fail(3, ended, codes.get, folder) == 1
     order[:] = [[0], [2]]  # no other failure within the grace: rank 0 is all there is to name
-    assert outcome.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
+    assert job_end.first_to_fail(3, lambda running, timeout: order.pop(0) if order else [], codes.get, folder) == 0
 
 
 def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
@@ -380,12 +380,12 @@ def test_only_a_rank_stopped_on_purpose_is_meant(tmp_path):
 
     folder = str(tmp_path)
     for rank in range(2):
-        progress.new_slot(outcome.slot_path(folder, rank))
+        progress.new_slot(job_end.slot_path(folder, rank))
     with open(os.path.join(folder, "error-1"), "wb") as f:
         pickle.dump(("said", "rank 1 was interrupted (SIGINT)"), f)
     meant = launcher._failure(1, [], folder)
     assert meant.meant and pickle.loads(pickle.dumps(meant)).meant
-    slot = protocol.mapped(outcome.slot_path(folder, 0))  # rank 0 timed out waiting: for a frozen rank 1
+    slot = protocol.mapped(job_end.slot_path(folder, 0))  # rank 0 timed out waiting: for a frozen rank 1
     slot.last, slot.timeout, slot.state = 1.0, 5.0, protocol.TIMED_OUT_STATE
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
@@ -405,26 +405,26 @@ class Alive:
 
 
 def test_ranks_that_each_timed_out_waiting_for_the_other_called_different_collectives(tmp_path, monkeypatch):
-    monkeypatch.setattr(outcome, "MISMATCH_S", 0.2)
+    monkeypatch.setattr(job_end, "MISMATCH_S", 0.2)
     folder = str(tmp_path)
     now = time.monotonic()
     for rank in range(3):
-        progress.new_slot(outcome.slot_path(folder, rank))
+        progress.new_slot(job_end.slot_path(folder, rank))
 
     def show(rank: int, last: float, state: float) -> None:
-        slot = protocol.mapped(outcome.slot_path(folder, rank))
+        slot = protocol.mapped(job_end.slot_path(folder, rank))
         slot.last, slot.timeout, slot.state = last, 5.0, state
 
     show(0, now - 6, protocol.TIMED_OUT_STATE)
     show(1, now - 6, protocol.TIMED_OUT_STATE)
     show(2, now - 5, protocol.TIMED_OUT_STATE)
-    assert outcome.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
+    assert job_end.blame(0, {}, folder, 3) == (0, "rank 0 timed out waiting for ranks 1 and 2 after 5 s, and ranks 1 "
                                                    "and 2 for it: the ranks called different collectives (or the "
                                                    "same ones in another order)")
     show(2, now - 9, 0.0)  # rank 2 did not wait: it stopped making progress
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        rank, why = outcome.blame(0, {2: sleeper.pid}, folder, 3)
+        rank, why = job_end.blame(0, {2: sleeper.pid}, folder, 3)
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -477,11 +477,11 @@ class FrozenCommand(Frozen, subprocess.Popen):
 
 @pytest.mark.parametrize("stop", ["run", "spawn"])
 def test_a_rank_frozen_in_the_kernel_is_not_waited_for_without_limit(monkeypatch, capsys, stop):
-    monkeypatch.setattr(outcome, "KILLED_S", 0.2)
+    monkeypatch.setattr(job_end, "KILLED_S", 0.2)
     for name in ("kill", "killpg"):  # the signals for a process that is not there
         monkeypatch.setattr(os, name, lambda pid, sig: None)
     start = time.monotonic()
-    outcome.stop([FrozenCommand() if stop == "run" else Frozen()], grace_s=0.2)
+    job_end.stop([FrozenCommand() if stop == "run" else Frozen()], grace_s=0.2)
     assert time.monotonic() - start < 60  # its 0.2 s graces, not forever (a busy machine may take seconds)
     assert "multicard: rank 0 (pid 999999) did not end on SIGKILL" in capsys.readouterr().err
 
@@ -539,9 +539,9 @@ def test_a_rank_whose_launcher_died_while_it_imported_ends_once_it_watches():
     """The launcher (here a shell standing in for torchrun's agent) is gone before the rank starts watching it
     (a rank importing torch on busy cores takes seconds): the rank, adopted by another process by then, still
     sees its launcher gone and ends with one line, instead of waiting on a store that nobody holds."""
-    rank = ("import os, sys, time, multicard\nfrom multicard.jobs import lifeline\nfirst = os.getppid()\n"
+    rank = ("import os, sys, time, multicard\nfrom multicard.jobs import launcher_watch\nfirst = os.getppid()\n"
             "print('imported', flush=True)\nwhile os.getppid() == first:\n    time.sleep(0.05)\n"
-            "lifeline.watch_parent(1)\nprint('still here', file=sys.stderr)\n")
+            "launcher_watch.watch_parent(1)\nprint('still here', file=sys.stderr)\n")
     launcher = ("import os, subprocess, sys\n"
                 "rank = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdout=subprocess.PIPE, text=True)\n"
                 "rank.stdout.readline()\nos._exit(0)\n")  # gone once the rank has imported multicard
@@ -639,11 +639,11 @@ def test_a_dataloader_worker_hung_in_getitem_ends_with_the_job_when_its_rank_is_
 def test_a_rank_whose_launcher_is_gone_ends_and_never_publishes(monkeypatch, capsys):
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
-    monkeypatch.setattr(lifeline, "_parent", os.getppid())
-    lifeline.end_if_orphaned(0)
+    monkeypatch.setattr(launcher_watch, "_parent", os.getppid())
+    launcher_watch.end_if_orphaned(0)
     assert killed == []  # its launcher is there
-    monkeypatch.setattr(lifeline, "_parent", os.getppid() + 1)  # as after the launcher died: another parent
-    lifeline.end_if_orphaned(3)
+    monkeypatch.setattr(launcher_watch, "_parent", os.getppid() + 1)  # as after the launcher died: another parent
+    launcher_watch.end_if_orphaned(3)
     assert killed == [(os.getpid(), 9)]
     err = capsys.readouterr().err
     assert f"multicard: rank 3: its launcher (pid {os.getppid() + 1}) is gone; this rank ends" in err

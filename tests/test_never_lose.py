@@ -16,7 +16,7 @@ from torch import nn
 
 import multicard
 from conftest import bounded, shown, tiny_images
-from multicard.checkpoints import resume, saves, shards, shards_read
+from multicard.checkpoints import resume, shards, shards_read, trainer_saves
 from multicard.errors import UsageError
 from multicard.models import LeNet5
 from multicard.trainer import outdir
@@ -74,7 +74,7 @@ def test_a_fresh_run_moves_an_earlier_runs_checkpoints_aside_and_keeps_its_own(e
 def test_auto_after_a_fresh_run_killed_before_its_first_checkpoint_starts_over(earlier, tmp_path):
     out = copy(earlier, tmp_path / "out")
     assert resume.resolve("auto", out).parent.name == "step-00000012"
-    saves.claim(out, None)  # what a fresh run's start does; then it is killed
+    trainer_saves.claim(out, None)  # what a fresh run's start does; then it is killed
     assert resume.resolve("auto", out) is None  # the newest run started from the beginning: so does auto
 
 
@@ -82,9 +82,9 @@ def test_going_on_from_the_newest_keeps_the_run_a_rewind_is_a_new_one(earlier, t
     out = copy(earlier, tmp_path / "out")
     first = resume.owner(out)["run"]
     newest = resume.resolve("auto", out)
-    assert saves.claim(out, newest) == first and len(resume.whole(out, first)) == 2  # --resume auto, a restart
+    assert trainer_saves.claim(out, newest) == first and len(resume.whole(out, first)) == 2  # --resume auto, a restart
     older = out / "checkpoints" / "step-00000011" / "state.pt"
-    rewound = saves.claim(out, older)
+    rewound = trainer_saves.claim(out, older)
     assert rewound != first
     assert [p.name for p in resume.whole(out)] == ["step-00000011"]  # read from where it is; step-12 aside
     assert (out / "checkpoints" / f"run-{first}" / "step-00000012" / "state.pt").is_file()
@@ -264,7 +264,7 @@ def test_a_checkpoints_link_is_refused_and_nothing_outside_deleted(tmp_path):
         run(out, save_every_steps=1, keep_checkpoints=1)
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
     with pytest.raises(UsageError, match="checkpoints: is a link, not a folder multicard made"):
-        saves.hold(out)  # every write and deletion in checkpoints/ goes through it held, never through a link
+        trainer_saves.hold(out)  # every write and deletion in checkpoints/ goes through it held, never through a link
     assert (outside / "step-00000001" / "state.pt").read_text() == "mine"
 
 
@@ -510,7 +510,7 @@ def test_an_out_out_of_space_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_checkpoint_on_a_full_disk_is_one_line_and_leaves_no_part(tmp_path, monkeypatch):
-    from multicard.checkpoints import plain as checkpoint
+    from multicard.checkpoints import files as checkpoint
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

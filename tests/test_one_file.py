@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import multicard
-from multicard.checkpoints import plain as checkpoint
+from multicard.checkpoints import files as checkpoint
 
 
 def streams_back(mc, path: Path, saved: torch.Tensor) -> float:

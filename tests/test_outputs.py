@@ -23,7 +23,7 @@ from torch import nn
 import multicard
 from conftest import OLD, Small, bounded, earlier, light, note, run_cli, states, train
 from multicard import safefs
-from multicard.checkpoints import resume, saves, shards
+from multicard.checkpoints import resume, shards, trainer_saves
 from multicard.errors import UsageError
 from multicard.trainer.outdir import Output
 from multicard.trainer.report import Report
@@ -56,12 +56,12 @@ def test_a_run_folder_link_is_refused_before_anything_moves(tmp_path):
     os.symlink(outside, out / "checkpoints" / f"run-{OLD}")
     before = tree(out)
     with pytest.raises(UsageError, match=rf"run-{OLD}: is a link, not a folder multicard made"):
-        saves.claim(out, None)
+        trainer_saves.claim(out, None)
     assert tree(out) == before and list(outside.iterdir()) == []
     (out / "checkpoints" / f"run-{OLD}").unlink()
     (out / "checkpoints" / f"run-{OLD}").write_text("mine")  # a file under that name: the same one line
     with pytest.raises(UsageError, match=rf"run-{OLD}: is a file, not a folder"):
-        saves.claim(out, None)
+        trainer_saves.claim(out, None)
 
 
 def test_run_json_is_never_written_through_a_planted_temporary(tmp_path):
@@ -70,7 +70,7 @@ def test_run_json_is_never_written_through_a_planted_temporary(tmp_path):
     earlier(out)
     for name in (f"run.json.{os.getpid()}.tmp", "run.json.tmp", "run.json.part"):  # the names once used, and more
         os.symlink(victim, out / "checkpoints" / name)
-    run = saves.claim(out, None)
+    run = trainer_saves.claim(out, None)
     assert victim.read_text() == "mine"
     assert safefs.kind(out / "checkpoints" / "run.json") == "file" and resume.owner(out)["run"] == run
 
@@ -82,12 +82,12 @@ def test_a_forged_marker_moves_nothing_out_of_out(tmp_path, marker):
     out = tmp_path / "deep" / "out"
     made = earlier(out)
     (made[0] / ".multicard").write_bytes(marker)
-    run = saves.claim(out, None)
+    run = trainer_saves.claim(out, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep"] and os.listdir(tmp_path / "deep") == ["out"]
     unnamed = out / "checkpoints" / f"run-unnamed-{run}" / "step-00000001" / "state.pt"
     assert note(unnamed) == f"{OLD} 1"  # kept aside under a name multicard makes, not one read from a file
     assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]
-    assert saves.claim(out, None) != run  # and the next run into that --out is not stopped by it
+    assert trainer_saves.claim(out, None) != run  # and the next run into that --out is not stopped by it
 
 
 # -- hangs: nothing but a regular file is opened ----------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_a_fifo_run_json_is_one_line_not_a_hang(tmp_path):
     earlier(tmp_path)
     (tmp_path / "checkpoints" / "run.json").unlink()
     os.mkfifo(tmp_path / "checkpoints" / "run.json")
-    done = bounded(f"from multicard.checkpoints import resume, saves\nfrom multicard.errors import UsageError\n"
+    done = bounded(f"from multicard.checkpoints import resume, trainer_saves\nfrom multicard.errors import UsageError\n"
                    f"try:\n    resume.resolve('auto', {str(tmp_path)!r})\nexcept UsageError as e:\n    print(e)")
     assert "checkpoints/run.json: is a fifo, not a file multicard wrote" in done.stdout, done.stderr
 
@@ -105,7 +105,7 @@ def test_a_fifo_marker_is_not_read_and_the_checkpoint_kept_aside(tmp_path):
     made = earlier(tmp_path)
     (made[1] / ".multicard").unlink()
     os.mkfifo(made[1] / ".multicard")
-    done = bounded(f"from multicard.checkpoints import saves\nprint(saves.claim({str(tmp_path)!r}, None))")
+    done = bounded(f"from multicard.checkpoints import trainer_saves as s\nprint(s.claim({str(tmp_path)!r}, None))")
     assert done.returncode == 0, done.stderr
     run = done.stdout.split()[-1]
     assert (tmp_path / "checkpoints" / f"run-unnamed-{run}" / "step-00000002" / "state.pt").is_file()
@@ -126,7 +126,7 @@ def test_run_json_that_is_not_a_small_file_is_one_line(tmp_path, what):
         with open(place, "wb") as f:
             f.truncate(10 * 2**30)  # sparse: 10 GB that take no disk
     with pytest.raises(UsageError, match=r"checkpoints/run\.json: (is a|is \d+ bytes, more than)"):
-        saves.claim(tmp_path, None)
+        trainer_saves.claim(tmp_path, None)
 
 
 # -- names multicard uses, taken by something else --------------------------------------------------------------------
@@ -141,7 +141,7 @@ def test_a_part_name_taken_by_something_else_is_one_line(tmp_path, what):
         os.mkfifo(part) if what == "fifo" else part.write_text("mine")
     with pytest.raises(UsageError, match=rf"step-00000004\.part: a {what} multicard did not make is in the way"), \
             safefs.Folder.open(part.parent) as checkpoints:
-        saves.fresh(checkpoints, part, OLD)
+        trainer_saves.fresh(checkpoints, part, OLD)
     assert safefs.kind(part) == what
 
 
@@ -166,11 +166,11 @@ def test_a_read_only_checkpoints_folder_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", refused)
     with pytest.raises(UsageError, match=rf"run-{OLD}: cannot be made \(Permission denied\)"):
-        saves.claim(tmp_path, None)
+        trainer_saves.claim(tmp_path, None)
     monkeypatch.undo()
     monkeypatch.setattr(os, "replace", refused)  # the folders made, run.json not written
     with pytest.raises(UsageError, match=r"cannot write into checkpoints/ \(Permission denied\)"):
-        saves.claim(tmp_path, None)
+        trainer_saves.claim(tmp_path, None)
     monkeypatch.undo()
     assert resume.owner(tmp_path)["run"] == OLD
 
@@ -247,7 +247,7 @@ def test_a_run_folder_swapped_while_the_run_writes_is_never_written_through_nor_
 
 def test_a_checkpoint_part_folder_swapped_right_after_it_was_made_is_never_written_through(tmp_path, victim,
                                                                                            monkeypatch):
-    out, fresh = tmp_path / "out", saves.fresh
+    out, fresh = tmp_path / "out", trainer_saves.fresh
     swapped = []
 
     def freshly(*args):
@@ -258,7 +258,7 @@ def test_a_checkpoint_part_folder_swapped_right_after_it_was_made_is_never_writt
             swapped.append(part)
         return made
 
-    monkeypatch.setattr(saves, "fresh", freshly)
+    monkeypatch.setattr(trainer_saves, "fresh", freshly)
     with pytest.raises(UsageError, match=r"step-00000001\.part: was replaced while the checkpoint was written into "
                                          r"it .*run again with --resume auto"):
         train(out, save_every_steps=1)

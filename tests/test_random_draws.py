@@ -1,4 +1,4 @@
-"""Random draws that cannot part silently (yourloop/alike.py): mc.randn_local and mc.rand_local draw what the
+"""Random draws that cannot part silently (yourloop/inputs_alike.py): mc.randn_local and mc.rand_local draw what the
 plain script draws (one process's global batch, each process keeping its rows); a draw on some ranks only (an
 EMA's sample under `if mc.is_main:`) parts the processes' random states, and the next step the job takes says
 so in one line, naming the steps between which they parted and how to keep such a draw off the shared stream,

@@ -23,7 +23,7 @@ from multicard.jobs.devices import Devices, parse, rehearsal, select
 from multicard.jobs.dist import Job, backend_for
 from multicard.tools import bench, parity
 from multicard.trainer.config import TrainConfig
-from multicard.yourloop.processes import make_strategy
+from multicard.yourloop.strategy_choice import make_strategy
 from test_bench import args as bench_args
 
 SHARED = Devices("cuda", (0, 0))

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 import multicard
 from conftest import HUNG_S, OLD, ROOT, earlier, run_cli, shown, states, tiny_images, train
-from multicard.checkpoints import resume, saves
+from multicard.checkpoints import resume, trainer_saves
 from multicard.errors import UsageError
 from multicard.jobs.failures import RankFailed, Stopped
 from multicard.models import LeNet5
@@ -446,7 +446,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
         for name in real:
             monkeypatch.setattr(os, name, counted(name))
         try:
-            run = saves.claim(out, resumed)
+            run = trainer_saves.claim(out, resumed)
             done = True
         except Killed:
             done = False
@@ -457,7 +457,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
         else:
             assert auto == (resumed.absolute() if rewind else None), f"killed at call {point}"
             assert not done or own == run
-        again = saves.claim(out, auto)  # the next start: --resume auto
+        again = trainer_saves.claim(out, auto)  # the next start: --resume auto
         assert states(out) == [f"{OLD} {s}" for s in (1, 2, 3)]  # none lost, none doubled
         if own != OLD:
             assert (again == own) == rewind  # from step 1: the same new run goes on; from nothing: a new one
@@ -472,7 +472,7 @@ def test_a_kill_at_each_point_of_claim_never_publishes_the_earlier_run_as_the_ne
 def test_a_new_run_killed_before_its_first_checkpoint_starts_over_under_auto(tmp_path):
     out = tmp_path / "out"
     earlier(out)
-    saves.claim(out, None)
+    trainer_saves.claim(out, None)
     assert resume.resolve("auto", out) is None
 
 

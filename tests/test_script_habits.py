@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 import multicard
 from conftest import run_cli
+from multicard.data.habits import Habits
 from multicard.data.loaders import shard
-from multicard.data.watch import Habits
 from multicard.errors import UsageError
 from multicard.trainer.loop import evaluate
 from multicard.yourloop.multicard import Multicard

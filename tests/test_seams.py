@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import multicard
 from conftest import ROOT
-from multicard.checkpoints import plain as checkpoint
+from multicard.checkpoints import files as checkpoint
 from multicard.errors import UsageError
-from multicard.yourloop.alike import Inputs
+from multicard.yourloop.inputs_alike import Inputs
 from multicard.yourloop.multicard import Multicard
 
 G = torch.Generator().manual_seed(0)
@@ -276,10 +276,10 @@ def saves_job(mc: Multicard, folder: str) -> dict:
     mine = {0: torch.get_rng_state()}
     if rank == last:  # rank 1 (the last rank) alone: its file, with its streams
         mc.save(folder / "last-rank.pt", {"model": model, "step": 0})
-        mc.save(folder / "last-rank-plain.pt", model.state_dict())
+        mc.save(folder / "last-rank-files.pt", model.state_dict())
     mc.barrier()
     found["last_rank"] = mc.gather(back(mc, folder / "last-rank.pt", mine))
-    found["plain_there"] = (folder / "last-rank-plain.pt").exists()
+    found["plain_there"] = (folder / "last-rank-files.pt").exists()
     torch.manual_seed(17 + rank)
     mine = {0: torch.get_rng_state()}
     mc.save(folder / f"ckpt.r{rank}", {"model": model, "step": 0})  # a file per rank
@@ -303,7 +303,7 @@ def saves_job(mc: Multicard, folder: str) -> dict:
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_save_on_any_rank_is_written_with_the_streams_of_that_save(world, tmp_path, capfd):
     found = multicard.launch(saves_job, str(tmp_path), strategy="ddp", devices=f"cpu:{world}", timeout=30)
-    assert found["files"] == sorted(["best0.pt", "best1.pt", "best2.pt", "last-rank.pt", "last-rank-plain.pt",
+    assert found["files"] == sorted(["best0.pt", "best1.pt", "best2.pt", "last-rank.pt", "last-rank-files.pt",
                                      "every.pt", *(f"ckpt.r{r}" for r in range(world))])
     err = capfd.readouterr().err
     assert "socket.cpp" not in err and "[W" not in err  # no C++ warning of a store wait that ran out

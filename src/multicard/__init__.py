@@ -5,7 +5,7 @@ The names below load on first use, so that `multicard --help` does not wait for 
 
 from importlib import import_module
 
-from .jobs import lifeline as _lifeline  # noqa: F401  (first thing: the parent a rank was started under)
+from .jobs import launcher_watch as _launcher_watch  # noqa: F401  (first thing: the parent a rank was started under)
 
 __version__ = "0.1.0"
 _HOME = {"Multicard": "yourloop.multicard", "launch": "yourloop.multicard", "train": "trainer.run",

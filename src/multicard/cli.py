@@ -15,7 +15,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from .errors import UsageError
-from .jobs import closed
+from .jobs import broken_pipe
 from .rules import REPLICA_CHECKS, STRATEGIES
 from .trainer.config import FLAG_GROUPS, TrainConfig
 
@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"multicard: stopped by {e}; every rank was stopped", file=sys.stderr)
         return 128 + e.signum
     except BrokenPipeError:
-        if not closed.stdout_closed():
+        if not broken_pipe.stdout_closed():
             raise
-        return closed.SIGPIPE_EXIT
+        return broken_pipe.SIGPIPE_EXIT
     except KeyboardInterrupt:
         print("multicard: interrupted", file=sys.stderr)
         return 130
@@ -311,9 +311,9 @@ def entry() -> None:
         code = 130
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
-    if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: end as SIGPIPE ends tools
+    if broken_pipe.by_pipe(code) and broken_pipe.stdout_closed():  # `| head` read what it wanted: as SIGPIPE ends
         atexit._run_exitfuncs()
-        closed.end_by_sigpipe()
+        broken_pipe.end_by_sigpipe()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -1,5 +1,5 @@
 """Reading the trainer's checkpoints in --out/checkpoints: which ones are whole and whose, the one --resume names,
-its head checked (the recipe a resume takes from it: trainer/recipe.py). Nothing here writes (saves.py does).
+its head checked (the recipe a resume takes from it: trainer/recipe.py). Nothing here writes (trainer_saves.py does).
 
 Each checkpoint is a folder, step-<optimizer steps>, holding state.pt (rank 0: model, optimizer, scheduler,
 scaler, the place in the data, the epochs so far, every rank's random streams, the run's id; under fsdp every
@@ -28,7 +28,7 @@ import torch
 from .. import safefs
 from ..errors import UsageError
 from . import shards, sums
-from .plain import OWN
+from .files import OWN
 
 FOLDER = "checkpoints"
 OWNER = "run.json"

@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import safefs
 from ..errors import UsageError
-from .plain import FULL
+from .files import FULL
 from .shards_read import METADATA_BASE, METADATA_PER_CHUNK, metadata, plain_files, planner, reader, tensors
 from .sums import DCP_FILE
 

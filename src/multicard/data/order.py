@@ -117,7 +117,7 @@ class ShardSampler(Dealt):
         return sizes
 
     def why_empty(self, index: int) -> tuple[str, str]:
-        """Why this process's evaluation batch `index` has no rows, and what gives it some (for watch.py)."""
+        """Why this process's evaluation batch `index` has no rows, and what gives it some (for habits.py)."""
         held, count = len(self), len(self.sizes)
         why = f"rank {self.rank}'s evaluation batch {index + 1} of {count} has no rows (the {self.size} samples " \
               f"dealt over {self.world} processes leave it {held}"

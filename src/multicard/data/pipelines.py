@@ -25,10 +25,10 @@ from ..jobs.progress import pass_ended, read_batch
 from ..jobs.trees import values
 from . import bits
 from .bits import FIRST
+from .habits import Habits
 from .order import Agree, same_everywhere
 from .parts import part, samples
 from .uneven import Share
-from .watch import Habits
 
 
 def fingerprint(batch: Any, size: int) -> torch.Tensor:

@@ -14,10 +14,10 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import UsageError
-from . import lifeline, protocol
+from . import launcher_watch, protocol
 from .cpp_log import cpp_log_hidden
 from .devices import Devices
-from .lifeline import inherited
+from .launcher_watch import inherited
 from .progress import hook_failures, progress, progress_slot, slot_timed_out
 
 JOINED = 0.05  # seconds between looks at the store while the rendezvous waits for the others
@@ -143,7 +143,7 @@ def init(job: Job, devices: Devices, timeout_s: float = 120) -> None:
         dist.init_process_group(backend_for(devices), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     if job.launcher == "multicard" or os.environ.get("TORCHELASTIC_RUN_ID"):  # started by an agent that waits
-        lifeline.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
+        launcher_watch.watch_parent(job.rank)  # on it (a shell that started a rank by hand may end before it)
     progress_slot().timeout = timeout_s
     progress()
     hook_failures()

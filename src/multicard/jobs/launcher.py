@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import UsageError, note
-from . import closed, jobdir, lifeline, progress, shipping, spawned, streams
+from . import broken_pipe, jobdir, launcher_watch, progress, shipping, spawned, streams
 from .devices import openmp_env
 from .failures import RankFailed, Stopped
-from .outcome import (
+from .job_end import (
     FAILED_GRACE_S,
     STOP_GRACE_S,
     blame,
@@ -65,8 +65,8 @@ def store():
 
 def job_env(rank: int, world: int, port: int, folder: str = "") -> dict[str, str]:
     """What a process of a job started here finds in its environment: torchrun's variables, the store, the
-    launcher's pid (a process whose parent it is not is no rank: see lifeline.inherited) and (given the job's folder)
-    the file where it shows its progress."""
+    launcher's pid (a process whose parent it is not is no rank: see launcher_watch.inherited) and (given the job's
+    folder) the file where it shows its progress."""
     return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store held here
@@ -213,7 +213,7 @@ def _failure(rank: int, processes: list, folder: str, passed: set[int] = frozens
         return RankFailed(rank, text, meant=True)
     if not kind and processes[rank].exitcode == spawned.UNGUARDED:
         return UsageError(spawned.unguarded())
-    if closed.by_pipe(processes[rank].exitcode) and closed.stdout_closed():  # `| head` read what it wanted
+    if broken_pipe.by_pipe(processes[rank].exitcode) and broken_pipe.stdout_closed():  # `| head` read what it wanted
         return Stopped(signal.SIGPIPE)
     blamed = parted(rank, {r: p.exitcode for r, p in enumerate(processes)}, folder) or \
         blame(rank, {r: p.pid for r, p in enumerate(processes) if r != rank and p.is_alive()}, folder, len(processes))
@@ -263,15 +263,16 @@ def run_command(command: list[str], nprocs: int, env: dict[str, str] | None = No
                     progress.new_slot(slot_path(folder, rank))
                     procs.append(subprocess.Popen(command, env={**os.environ, **env,
                                                                 **job_env(rank, nprocs, server.port, folder)},
-                                                  start_new_session=True, preexec_fn=lambda: lifeline.die_with(parent)))
+                                                  start_new_session=True,
+                                                  preexec_fn=lambda: launcher_watch.die_with(parent)))
                     signals.ranks.append(procs[-1].pid)
             failed = first_failure(procs, folder)
             if failed is None:
                 ended = True
                 return 0
             rank, code = failed
-            if closed.by_pipe(code) and closed.stdout_closed():  # `| head` read what it wanted: nothing to say
-                return closed.SIGPIPE_EXIT
+            if broken_pipe.by_pipe(code) and broken_pipe.stdout_closed():  # `| head` read what it wanted: no word
+                return broken_pipe.SIGPIPE_EXIT
             kind, text = what_rank_left(folder, rank)
             if kind == "usage":  # the same bad input on every rank: said once
                 note(f"error: {text}")

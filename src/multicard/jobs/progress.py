@@ -14,9 +14,9 @@ import time
 from collections.abc import Iterator
 
 from ..errors import UsageError, note
-from . import closed, failures, jobdir, protocol
+from . import broken_pipe, failures, jobdir, protocol
 from .failures import tell_torchrun
-from .lifeline import inherited
+from .launcher_watch import inherited
 from .protocol import LOST_PEER, PROGRESS, TIMED_OUT_STATE, Slot
 
 # how a wait that ran out of time reads: gloo's, the store's, NCCL's watchdog (and our rendezvous sets it itself)
@@ -111,7 +111,7 @@ def lost_peer(error: BaseException) -> bool:
 def by_closed_stdout(error: BaseException) -> bool:
     """Whether a rank ending with `error` ends because its stdout was closed (`| head`): a BrokenPipeError of its
     own print, or another rank lost (which ended so), while stdout is a pipe nobody reads."""
-    return (isinstance(error, BrokenPipeError) or lost_peer(error)) and closed.stdout_closed()
+    return (isinstance(error, BrokenPipeError) or lost_peer(error)) and broken_pipe.stdout_closed()
 
 
 def hook_failures() -> None:
@@ -139,7 +139,7 @@ def hook_failures() -> None:
             return
         failed(error)
         if by_closed_stdout(error):
-            closed.end_by_sigpipe()
+            broken_pipe.end_by_sigpipe()
         if isinstance(error, UsageError):
             tell_launcher("usage", str(error))
         elif lost_peer(error):  # the launcher says it where no other rank's failure is the one to name

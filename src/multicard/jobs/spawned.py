@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UsageError, note
-from . import closed, jobdir, lifeline, progress, shipping, streams
+from . import broken_pipe, jobdir, launcher_watch, progress, shipping, streams
 from .dist import listed
 from .failures import Stopped
 
@@ -54,7 +54,7 @@ def unguarded() -> str:
 def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list = ()) -> None:
     """fn(*args) (pickled in the job's `folder`, file WORK) as rank `rank`; `env`: the job's variables; `ends`: the
     pipes its stdout and stderr go to, where the launcher shows them itself (a notebook)."""
-    lifeline.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
+    launcher_watch.die_with(launcher)  # first: a launcher gone already, or going later, takes this process along
     os.setsid()  # a session of its own, as run's ranks have: see launcher.py
     streams.take(ends)
     os.environ.update(env)
@@ -83,7 +83,7 @@ def body(rank: int, folder: str, launcher: int, env: dict[str, str], ends: list 
             _fail("usage", str(said))
         progress.failed(e)
         if progress.by_closed_stdout(e):  # `| head` read what it wanted: this rank ends as a command-line tool would
-            closed.end_by_sigpipe()
+            broken_pipe.end_by_sigpipe()
         _fail("trace", traceback.format_exc())
     _end_after_threads(rank)
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..checkpoints import saves
+from ..checkpoints import trainer_saves
 from ..data.images import ImageData
 from ..errors import UsageError, say
 from ..jobs.failures import Stopped
@@ -111,7 +111,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
     trusted = trust.trusted(config.trust_dir)
 
     # checkpoints/ held from the first save to the end of the loop (an error leaves it to the folder's own close)
-    checkpointer = saves.Checkpointer(mc, out or config.out,
+    checkpointer = trainer_saves.Checkpointer(mc, out or config.out,
                                       lambda fd, what, folder: trust.check_folder(fd, what, folder, trusted))
 
     def save(partial: dict | None) -> None:
@@ -215,7 +215,7 @@ def fit(mc: Multicard, model: nn.Module, optimizer: torch.optim.Optimizer, sched
 def stop_line(signal_name: str, steps: int, config: TrainConfig) -> str:
     """What rank 0 says as a stopped run ends: where its checkpoint is, and the command that goes on from it (the
     same `multicard train` flags with --resume auto; from Python, the same train() call with resume="auto")."""
-    folder = Path(config.out) / saves.FOLDER / f"step-{steps:08d}"
+    folder = Path(config.out) / trainer_saves.FOLDER / f"step-{steps:08d}"
     argv = sys.argv
     program = Path(argv[0]) if argv else Path()
     if argv[1:2] == ["train"] and (program.name == "multicard" or program.parts[-2:] == ("multicard", "__main__.py")):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from .. import safefs
-from ..checkpoints.saves import hold
+from ..checkpoints.trainer_saves import hold
 from ..errors import UsageError, say
 from ..safefs import MARK, drop_half_marked, marked
 from . import trust
@@ -122,7 +122,7 @@ class Output:
 
     def check_checkpoints(self, fd: int, what: str, path: Path) -> None:
         """Whose --out/checkpoints, held open as `fd`, may be: yours or root's, not writable by others, unless
-        trusted (saves.hold's check)."""
+        trusted (trainer_saves.hold's check)."""
         trust.check_folder(fd, what, path, self.trusted)
 
     def new_run(self) -> safefs.Made:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..checkpoints import plain as checkpoint
+from ..checkpoints import files as checkpoint
 from ..errors import say
 from ..jobs.trees import rebuild, values
 from .config import TrainConfig

@@ -20,11 +20,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .. import safefs
-from ..checkpoints import plain as checkpoint
-from ..checkpoints.saves import claim
+from ..checkpoints import files as checkpoint
+from ..checkpoints.trainer_saves import claim
 from ..data.loaders import on_card
 from ..errors import UsageError, say
-from ..jobs import lifeline, progress, spawned
+from ..jobs import launcher_watch, progress, spawned
 from ..jobs.failures import RankFailed, Stopped, said
 from ..yourloop.loggers import TensorBoardLogger
 from ..yourloop.memory import MB
@@ -133,7 +133,7 @@ def attempts(mc: Multicard, output: Output | None, args: tuple, start: Start, re
                 output.discard(run)
             raise
         if output is not None:
-            lifeline.end_if_orphaned(mc.job.rank)  # a rank whose launcher is gone never publishes
+            launcher_watch.end_if_orphaned(mc.job.rank)  # a rank whose launcher is gone never publishes
             output.publish(run)
             if not config.quiet:  # quiet runs (multicard check's, the bench's) write into folders of their own
                 shown = [*FILES, *(name for name in OPTIONAL if (output.root / name).exists())]

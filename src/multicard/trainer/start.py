@@ -2,7 +2,7 @@
 which checkpoint, with which recipe (the resumed run's wherever no flag says otherwise), and what rank 0 says of
 it. The decision is one value, Start: train() makes it and hands it on; a restart makes it again with --resume
 auto; the CLI asks the same function which model and data the run needs. Which run the checkpoints then belong
-to follows from the checkpoint (checkpoints/saves.py's claim: going on from the owner's newest is the same run,
+to follows from the checkpoint (checkpoints/trainer_saves.py's claim: going on from the owner's newest is the same run,
 anything else a new one). checkpoints/resume.py only reads checkpoints; outdir.py only holds and switches --out's
 folders.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 from torch import nn
 
 from .. import safefs
-from ..checkpoints import plain
-from ..checkpoints.plain import OWN
+from ..checkpoints import files
+from ..checkpoints.files import OWN
 from ..checkpoints.resume import FOLDER, head, newest, resolve
-from ..checkpoints.saves import hold
+from ..checkpoints.trainer_saves import hold
 from ..errors import UsageError
 from . import trust
 from .config import TrainConfig
@@ -90,5 +90,5 @@ def fitting(checkpoint: Path, config: TrainConfig, model: nn.Module | None) -> N
     if held is None and config.strategy == "fsdp":
         raise UsageError(f"--resume {checkpoint}: written without fsdp, its optimizer's state is whole, not in "
                          f"shards: resume it with the strategy that wrote it")
-    if model is not None and held is None and (wrong := plain.misfit(model, raw.get("model"))):
+    if model is not None and held is None and (wrong := files.misfit(model, raw.get("model"))):
         raise UsageError(f"--resume {checkpoint}: its model {wrong}")

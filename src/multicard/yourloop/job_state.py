@@ -3,8 +3,8 @@ defined beside the code that uses it, and handed to that code (a set-up loader, 
 
 - `share`: this process's share of the last uneven split and the weight its gradient takes (data/uneven.py);
 - `habits`: the script's habits seen around the batches (forwards, global batches, an empty evaluation batch;
-  data/watch.py);
-- `inputs`: the batches compared between the processes (mc.local's, the first training forward's; alike.py);
+  data/habits.py);
+- `inputs`: the batches compared between the processes (mc.local's, the first training forward's; inputs_alike.py);
 - `params`: what the set-up models hold and which optimizers were set up; the set-up optimizers' parameters
   outside the models, averaged at each step (outside_params.py);
 - `steps`: the job's optimizer steps in this process (the set-up optimizers' and those over a set-up model, not
@@ -27,12 +27,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpoints.randoms import Handover
+from ..data.habits import Habits
 from ..data.uneven import Share
-from ..data.watch import Habits
 from ..errors import UsageError, note
 from ..jobs import progress
 from . import determinism
-from .alike import Inputs
+from .inputs_alike import Inputs
 from .outside_params import OutsideParams
 
 

@@ -26,12 +26,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import rules
-from ..checkpoints.plain import own
+from ..checkpoints.files import own
 from ..data.loaders import Sharded, shard
 from ..errors import UsageError
 from ..jobs import launcher, progress
 from ..jobs.dist import job_from_env
-from ..jobs.outcome import STOP_GRACE_S
+from ..jobs.job_end import STOP_GRACE_S
 from ..strategies import Strategy, syncbn
 from . import closure, determinism, memory
 from .job_state import JobState
@@ -39,12 +39,12 @@ from .loggers import make_loggers
 from .memory import Memory
 from .precision import DTYPES
 from .prepared import Prepared
-from .processes import launched, make_strategy
 from .ranks import Ranks
 from .replicas import ReplicaCheck, Replicas
 from .saving import Checkpoints
 from .steps import Steps
 from .stopping import Stopping, Stops
+from .strategy_choice import launched, make_strategy
 
 
 class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
@@ -73,7 +73,7 @@ class Multicard(Ranks, Checkpoints, Replicas, Steps, Stopping, Memory):
     forwards, alike on every rank), after setup and after mc.load, and stop (or warn once) where the replicas
     parted (replicas.py). The same mode governs the seams: an optimizer step over parameters no set-up model
     holds (outside_params.py), and batches the processes drew apart (mc.local, randn_local), compared at each step
-    (alike.py). None: multicard run's --replica-check / --replica-check-every, else the defaults.
+    (inputs_alike.py). None: multicard run's --replica-check / --replica-check-every, else the defaults.
     deterministic: the same bits run after run on a card too (yourloop/determinism.py; process-wide, set at once):
     torch's deterministic algorithms, cuDNN without autotuning, cuBLAS's fixed workspace; an op with no
     deterministic version is one line naming it. `multicard run --deterministic` sets it for the script.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..checkpoints.plain import own, unprefixed
+from ..checkpoints.files import own, unprefixed
 from ..errors import UsageError
 from ..jobs.trees import values
 from . import determinism
@@ -85,7 +85,7 @@ class Prepared(nn.Module):
         weight = job.share.weight_for((args, kwargs)) if self._reduced else 1.0
         job.habits.forwarded()
         if self._reduced:  # 2+ processes: the draws since the last forward, and the first training one's inputs,
-            job.inputs.compare()  # compared (alike.py)
+            job.inputs.compare()  # compared (inputs_alike.py)
             job.inputs.forwarded((args, kwargs), self.training)
         return weight
 

@@ -15,7 +15,7 @@ Before its first collective, each check meets beside the job (the job's store: n
 which check it is at and the optimizer steps it took. Ranks at different checks (mc.check_replicas() on rank 0
 alone meeting another rank's periodic check), or a rank that never comes (it went on into a collective of its
 own), end there in one line, never in a collective that mismatches (which gloo aborts). That, and what a check
-says where the processes differ: parted.py.
+says where the processes differ: replica_lines.py.
 
 What is compared, and its exact fingerprint (settings by value): fingerprints.py. One max-reduce of [f, -f]
 gives every rank the max and the min, so every rank sees the same verdict and all stop together. Only a check
@@ -36,8 +36,8 @@ from ..jobs import protocol
 from ..jobs.progress import watched
 from ..strategies import Strategy
 from .fingerprints import entries, fingerprints, stable
-from .parted import ReplicasParted, explain, meet, unlike
 from .precision import wrap_step
+from .replica_lines import ReplicasParted, explain, meet, unlike
 
 MODE_VAR, EVERY_VAR = protocol.REPLICA_CHECK, protocol.REPLICA_CHECK_EVERY  # what multicard run passes on
 CAUSES = ("usual causes: rank-dependent code (if mc.rank == 0: ...), a state loaded on one rank only, a parameter or "

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from .. import safefs
-from ..checkpoints import plain as checkpoint
+from ..checkpoints import files as checkpoint
 from ..checkpoints import randoms, shards, sums
-from ..checkpoints.plain import OWN
+from ..checkpoints.files import OWN
 from ..errors import UsageError, note
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..checkpoints.plain import own
+from ..checkpoints.files import own
 from ..errors import UsageError
 from ..jobs.progress import watched
 from . import determinism
