@@ -9,8 +9,8 @@ from .jobs import launcher_watch as _launcher_watch  # noqa: F401  (first thing:
 
 __version__ = "0.1.0"
 _HOME = {"Multicard": "yourloop.multicard", "launch": "yourloop.multicard", "train": "trainer.run",
-         "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.plain",
-         "load": "checkpoints.plain", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
+         "TrainConfig": "trainer.config", "UsageError": "errors", "save": "checkpoints.files",
+         "load": "checkpoints.files", "MODELS": "models", "register": "models", "STRATEGIES": "strategies"}
 __all__ = sorted(_HOME)
 _PACKAGES = ("models", "data", "checkpoints", "strategies")  # multicard.models.build(...) as the docs write it
 

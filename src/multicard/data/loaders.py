@@ -21,10 +21,11 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from ..errors import UsageError, note
-from ..jobs import launcher_watch
 from ..jobs.devices import to_device
 from ..jobs.dist import progress
-from . import habits, uneven
+from ..jobs.launcher_watch import in_worker
+from . import uneven
+from .habits import Habits
 from .images import ImageData
 from .keyed import Keyed, Seeded, per_sample, seeded, the_seed
 from .order import Agree, Chunks, GlobalOrder, Permutation, ShardSampler, base_seed
@@ -75,10 +76,10 @@ class Sharded:
     optimizer step resumes with the next batch, on any number of processes that split the same global batch."""
 
     def __init__(self, inner: DataLoader | InMemory, original: DataLoader, device: torch.device, accumulate: int = 1,
-                 weights: uneven.Share | None = None, habits: habits.Habits | None = None):
+                 weights: uneven.Share | None = None, habits: Habits | None = None):
         self.inner, self.original, self.device, self.accumulate, self.epoch = inner, original, device, accumulate, 0
         self.step_ends, self.share = True, 1.0
-        self.weights, self.habits = weights or uneven.Share(), habits or habits.Habits()  # the job's (job_state.py)
+        self.weights, self.habits = weights or uneven.Share(), habits or Habits()  # the job's (job_state.py)
         self.skip = 0  # samples of the next pass's order to leave out (set by load_state_dict)
         self.place: tuple[int, int] | None = None  # (epoch, samples served) while a pass is under way
         self.started: list[torch.Tensor] = []  # the generators' states as the pass under way began
@@ -239,10 +240,10 @@ class Sharded:
 def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: torch.device,
           local_batch: Callable[..., int], agree: Agree | None = None, global_batch: bool = True,
           device_data: bool | str | None = False, accumulate: int = 1, seed_per_sample: bool | int = False,
-          weights: uneven.Share | None = None, habits: habits.Habits | None = None) -> Sharded:
+          weights: uneven.Share | None = None, habits: Habits | None = None) -> Sharded:
     """`loader` rebuilt for this process (see Multicard.setup_dataloader, which documents the rules); the batches
     served are told to the job's `weights` and `habits`."""
-    job = {"weights": weights or uneven.Share(), "habits": habits or habits.Habits()}
+    job = {"weights": weights or uneven.Share(), "habits": habits or Habits()}
     if isinstance(loader, Sharded):
         raise UsageError("this DataLoader was set up already: pass the one you built")
     if not isinstance(loader, DataLoader):
@@ -293,8 +294,7 @@ def shard(loader: DataLoader, *, train: bool, rank: int, world: int, device: tor
         inner = InMemory(dataset, order, local, device if device_data else None)
         return Sharded(inner, loader, device, accumulate, **job)
     kept = {name: getattr(loader, name) for name in KEPT}
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    kept["worker_init_fn"] = launcher_watch.in_worker(loader.worker_init_fn, deterministic)
+    kept["worker_init_fn"] = in_worker(loader.worker_init_fn, torch.are_deterministic_algorithms_enabled())
     indices = Keyed(order) if seed_per_sample is not False else order  # Keyed: each index goes with its epoch
     batches = Chunks(indices, order.sizes) if not train else BatchSampler(indices, local, drop_last=False)
     if whole_batches:  # loader workers fetch whole batches by one index each: still no per-sample collation
