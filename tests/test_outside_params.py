@@ -20,6 +20,7 @@ from multicard.errors import UsageError
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(48, 4, generator=G), torch.randn(48, 1, generator=G)
 STEPS = 8
+CASES = ("frozen", "swapped", "some_ranks", "sparse")
 
 
 def built(extra: int = 1, sparse: bool = False):
@@ -60,6 +61,15 @@ def train(mc, model, ts, optimizer, table=None, case="frozen", plain=False):
         optimizer.step()
 
 
+def cases_job(mc) -> dict:
+    """Every case, each on a Multicard of its own in the job's processes (the group shared)."""
+    found = {}
+    for case in CASES:
+        with multicard.Multicard("ddp", f"cpu:{mc.world_size}") as run:
+            found[case] = case_job(run, case)
+    return found
+
+
 def case_job(mc, case: str) -> dict:
     model, ts, table = built(sparse=case == "sparse")
     if case == "frozen":
@@ -81,9 +91,14 @@ def case_job(mc, case: str) -> dict:
     return {"ranks": mc.gather(mine), "plain": plain, "check": mc.check_replicas()}
 
 
-@pytest.mark.parametrize("case", ["frozen", "swapped", "some_ranks", "sparse"])
-def test_a_set_up_optimizers_outside_parameters_take_one_process_steps_as_they_stand_at_each_step(case):
-    found = multicard.launch(case_job, case, strategy="ddp", devices="cpu:2")
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    return multicard.launch(cases_job, strategy="ddp", devices="cpu:2")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_set_up_optimizers_outside_parameters_take_one_process_steps_as_they_stand_at_each_step(cases, case):
+    found = cases[case]
     ranks, plain = found["ranks"], found["plain"]
     assert ranks[0] == ranks[1], ranks  # the processes agree to the bit
     assert max(abs(a - b) for a, b in zip(ranks[0], plain, strict=True)) < 1e-5, (ranks[0], plain)

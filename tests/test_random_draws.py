@@ -36,6 +36,20 @@ def draws_job(mc, how: str) -> dict:
     return {"drawn": mc.gather(drawn), "line": mc.gather(line)}
 
 
+def every_case(mc) -> dict:
+    """Each way of drawing on a Multicard of its own, in the job's processes (the group shared)."""
+    found = {}
+    for how in ("forked", "rank_0_draws", "unseeded"):
+        with multicard.Multicard("ddp", f"cpu:{mc.world_size}") as run:
+            found[how] = draws_job(run, how)
+    return found
+
+
+@pytest.fixture(scope="module")
+def two() -> dict:
+    return multicard.launch(every_case, strategy="ddp", devices="cpu:2")
+
+
 def plain_draws() -> list[torch.Tensor]:
     """The plain script's draws on one process: the same seed, the model built, then each step's global batch."""
     torch.manual_seed(0)
@@ -43,8 +57,8 @@ def plain_draws() -> list[torch.Tensor]:
     return [torch.randn(6, 4) if step % 2 else torch.rand(6, 4) for step in range(1, STEPS + 1)]
 
 
-def test_a_draw_kept_off_the_shared_stream_leaves_the_processes_drawing_one_process_batches():
-    found = multicard.launch(draws_job, "forked", strategy="ddp", devices="cpu:2")
+def test_a_draw_kept_off_the_shared_stream_leaves_the_processes_drawing_one_process_batches(two):
+    found = two["forked"]
     assert found["line"] == [None, None]
     for step, whole in enumerate(plain_draws()):
         for rank in (0, 1):
@@ -52,8 +66,9 @@ def test_a_draw_kept_off_the_shared_stream_leaves_the_processes_drawing_one_proc
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_a_draw_on_one_rank_only_is_one_line_at_the_next_step_naming_where_the_streams_parted(world):
-    found = multicard.launch(draws_job, "rank_0_draws", strategy="ddp", devices=f"cpu:{world}")
+def test_a_draw_on_one_rank_only_is_one_line_at_the_next_step_naming_where_the_streams_parted(world, request):
+    found = request.getfixturevalue("two")["rank_0_draws"] if world == 2 else \
+        multicard.launch(draws_job, "rank_0_draws", strategy="ddp", devices=f"cpu:{world}")
     assert len(found["drawn"][0]) == 6  # caught at step 6's draws: not 100 calls later
     line = found["line"][0]
     assert found["line"] == [line] * world
@@ -63,8 +78,8 @@ def test_a_draw_on_one_rank_only_is_one_line_at_the_next_step_naming_where_the_s
     assert "with torch.random.fork_rng():" in line and "manual_seed" not in line
 
 
-def test_processes_seeded_apart_are_told_to_seed_alike():
-    found = multicard.launch(draws_job, "unseeded", strategy="ddp", devices="cpu:2")
+def test_processes_seeded_apart_are_told_to_seed_alike(two):
+    found = two["unseeded"]
     line = found["line"][0]
     assert len(found["drawn"][0]) == 1 and found["line"] == [line, line]
     assert line.startswith("a draw of mc.randn_local or rand_local, before optimizer step 1: the processes passed "
