@@ -196,7 +196,6 @@ def test_something_else_at_master_port_ends_within_the_timeout(job_env, serve):
 JOIN = """
 import sys
 import multicard
-from multicard import rules
 from multicard.errors import UsageError
 mc = multicard.Multicard(timeout=300)  # far above any start-up on a busy machine: "at once" is told from it
 try:
@@ -275,8 +274,7 @@ def test_a_master_addr_where_no_store_answers_shows_none_of_torchs_cpp_log():
     code = textwrap.dedent("""
         import sys, time
         import torch.distributed
-        from multicard import rules
-from multicard.errors import UsageError
+        from multicard.errors import UsageError
         from multicard.jobs import dist
         start = time.monotonic()  # torch imported: its seconds on a busy machine are not the rendezvous's
         try:

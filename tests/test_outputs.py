@@ -274,15 +274,15 @@ def fsdp_job(mc, folder: str) -> dict:
     model = mc.setup(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
     said = {}
     if mc.rank == 0:
-        made = shards.fresh
+        made = shards.new_folder
 
         def fresh(path, save):
             held = made(path, save)
             swap(path.with_name(Path(getattr(held, "shown", held)).name), folder / "victim")
-            shards.fresh = made
+            shards.new_folder = made
             return held
 
-        shards.fresh = fresh  # in this process only
+        shards.new_folder = fresh  # in this process only
     for case in ("swapped", "full"):
         if case == "full" and mc.rank == 1:
             import torch.distributed.checkpoint.filesystem as dcp_files

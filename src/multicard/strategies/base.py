@@ -111,10 +111,11 @@ class Strategy:
             torch.set_num_threads(cpu_threads(len(ranks), torch.get_num_threads()))
         threads = [t for rank, t in enumerate(self.gather(torch.get_num_threads())) if rank in ranks]
         cores = usable_cores()
-        if len(ranks) > 1 and sum(threads) > cores and self.rank == ranks[0]:
+        fair = max(1, cores // len(ranks))  # said only where fewer threads would do: one each is the least
+        if len(ranks) > 1 and sum(threads) > cores and max(threads) > fair and self.rank == ranks[0]:
             note(f"{len(ranks)} processes on this machine run {sum(threads)} threads on its {cores} cores "
                  f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}): each waits on the others; set "
-                 f"OMP_NUM_THREADS={max(1, cores // len(ranks))} (cores // processes), or unset it and the processes "
+                 f"OMP_NUM_THREADS={fair} (cores // processes), or unset it and the processes "
                  f"divide the cores")
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
