@@ -239,8 +239,9 @@ def test_the_seams_of_a_loop_are_one_line_each_and_correct_loops_stay_silent(wor
             f"every process alike before drawing the batch (torch.manual_seed(0) at the top of the script, and "
             f"random.seed / numpy's where the batch uses them), or let mc.setup_dataloader(loader) deal it")
     assert found["unseeded"] == (f"mc.local (call 1): {seed}", "")
-    # two calls a step (x, y), checked at calls 1, 2, 4, 6 (K = 2): the third step's batches (calls 5, 6) part
-    assert found["parted_later"] == (f"mc.local (calls 5-6), before optimizer step 3: {seed}", "")
+    # two calls a step (x, y), compared at forwards 1, 2, then every 2nd (K = 2): from the third step on the batches
+    # part; the fourth step's (calls 7, 8) are compared, and judged before that step is taken
+    assert found["parted_later"] == (f"mc.local (calls 7-8), before optimizer step 4: {seed}", "")
     assert found["unseeded_warn"] == (None, f"multicard: warning: mc.local (call 1): {seed}\n")
 
 

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,6 +126,17 @@ class DDP(Strategy):
         if self.world > 1:
             torch_dist.all_reduce(tensor, getattr(torch_dist.ReduceOp, op.upper()))
         return tensor
+
+    def all_reduce_later(self, tensor: torch.Tensor, op: str) -> Callable[[], torch.Tensor]:
+        tensor = tensor.clone()
+        if self.world == 1:
+            return lambda: tensor
+        work = torch_dist.all_reduce(tensor, getattr(torch_dist.ReduceOp, op.upper()), async_op=True)
+
+        def result() -> torch.Tensor:
+            work.wait()
+            return tensor
+        return result
 
     def gather(self, obj: Any) -> list:
         if self.world == 1:

@@ -5,10 +5,10 @@ where it can be seen cheaply (on 2+ processes; the replica check's mode governs 
   global batch whole in every process, so that batch must be the same in every process. A script that never seeds
   draws a batch of its own in each (its shuffle, crops and flips), and each process would train on rows of another
   batch; a draw on some ranks only (an EMA's sample under `if mc.is_main:`) parts the processes' random states
-  from then on. mc.local's first call is compared at once; later calls and the draws are compared at the next
-  forward of a set-up model whose gradients are reduced (every rank runs it alike), with torch's random state at
-  each (one all-reduce of ten numbers then, where there were any; nothing between). Batches that differ are one
-  line: that the random states parted between two steps (and how to keep a rank's own draw off the shared
+  for good. mc.local's first call is compared at once; later, the draws before the 1st, 2nd, 4th, ... training
+  forward up to K, then every K-th (K: the replica check's steps between checks), with torch's random state (one
+  all-reduce of ten numbers then, its time beside the forward and backward; nothing between). Batches that differ
+  are one line: that the random states parted between two steps (and how to keep a rank's own draw off the shared
   stream), or that they were never seeded alike.
 - the first training forward of a set-up model (gradients on, in train mode) compares its inputs, once. The same
   inputs in every process, where nothing multicard deals (a set-up training loader, mc.local, mc.randn_local) fed
@@ -32,51 +32,76 @@ FIRST = 4096  # values of a tensor its fingerprint reads: a bounded cost, whatev
 class Inputs:
     """What one job compares of the batches its set-up models are fed (the job's state holds it): whether
     something multicard deals fed this process, whether the first training forward was compared, mc.local's calls,
-    and the draws and cuts since the last optimizer step (their fingerprints summed, weighted by their place, and
-    the random state's at each). `job`: the JobState (its strategy, replica check, steps, and stop_or_warn)."""
+    the forwards that followed draws, and the draws and cuts before the next comparison (their fingerprints summed,
+    weighted by their place). `job`: the JobState (its strategy, replica check, steps, and stop_or_warn)."""
 
     def __init__(self, job: Any) -> None:
-        self.job, self.dealt, self.first, self.cuts = job, False, True, 0
-        self.since: list = []  # (kind, the call) of each draw or cut since the last step
-        self.sums: torch.Tensor | None = None  # their fingerprints and the random state's, summed by place
+        self.job, self.dealt, self.first, self.cuts, self.forwards = job, False, True, 0, 0
+        self.since: list = []  # (kind, the call) of each draw or cut before the next forward
+        self.sums: torch.Tensor | None = None  # their fingerprints, summed by place (where that forward compares)
         self.streams_alike_at: int | None = None  # the last step whose draws saw the random states alike
+        self.started: tuple | None = None  # a comparison under way: its result to come, what it compares, the step
 
     def cut(self, batch: Any) -> None:
         """mc.local's global `batch`: compared between the processes at once on the first call; later calls at the
-        next forward of a set-up model whose gradients are reduced (`compare`)."""
+        next forward of a set-up model whose gradients are reduced, where that one compares (`compare`)."""
         self.dealt = True
         if self.job.replicas.mode == "off" or "alike" in self.job.warned:
             return
         self.cuts += 1
         if self.cuts > 1:
-            self._add(("mc.local", self.cuts), _tensors(batch))
+            self._add(("mc.local", self.cuts), batch)
         elif not _alike(self.job.strategy, _tensors(batch)):
             self.job.stop_or_warn(f"mc.local (call 1): {self._unseeded()}", "alike")
 
     def drew(self, whole: torch.Tensor) -> None:
-        """mc.randn_local / rand_local drew `whole`: compared at the next reduced forward (`compare`)."""
+        """mc.randn_local / rand_local drew `whole`: compared as mc.local's cuts are (`compare`)."""
         self.dealt = True
         if self.job.replicas.mode != "off" and "alike" not in self.job.warned and self.job.strategy.world > 1:
-            self._add(("a draw of mc.randn_local or rand_local", 0), [whole])
+            self._add(("a draw of mc.randn_local or rand_local", 0), whole)
 
-    def _add(self, what: tuple[str, int], tensors: list[torch.Tensor]) -> None:
-        device = self.job.strategy.device
-        place = len(self.since) + 1
-        numbers = torch.cat([fingerprint(tensors, device), _stream(device)]) * place
-        self.sums = numbers if self.sums is None else self.sums + numbers
+    def _due(self, forward: int) -> bool:
+        """Whether the `forward`-th forward after draws compares them: the 1st, 2nd, 4th, ... up to K, then every
+        K-th (K: the replica check's steps between checks)."""
+        every = self.job.replicas.every
+        return forward % every == 0 or forward <= every and forward & (forward - 1) == 0
+
+    def _add(self, what: tuple[str, int], batch: Any) -> None:
         self.since.append(what)
+        if self._due(self.forwards + 1):  # the next forward compares: this batch's fingerprint goes with it
+            numbers = fingerprint(_tensors(batch), self.job.strategy.device) * len(self.since)
+            self.sums = numbers if self.sums is None else self.sums + numbers
 
     def compare(self) -> None:
         """A forward of a set-up model whose gradients are reduced is about to run, on every rank alike (ddp and
-        fsdp need every rank's): the draws and cuts since the last one are compared (one all-reduce of ten numbers,
-        where there were any). Batches that differ are one line: where the random states had been alike and parted
-        since, a draw on some ranks only moved them."""
-        if self.sums is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        fsdp need every rank's). After draws or cuts, at the 1st, 2nd, 4th, ... such forward up to K, then at every
+        K-th, their fingerprints and torch's random state's start being compared (one all-reduce of ten numbers,
+        not waited for here: its time goes by beside the forward and backward); the comparison started before is
+        judged. A draw on some ranks only parts the random states for good, so it is seen at the next comparison;
+        the cost: one small all-reduce every K steps (benchmarks/seams.py)."""
+        self.judge()
+        if not self.since or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        sums, since, steps = self.sums, self.since, self.job.steps
+        self.forwards += 1
+        if self.sums is None or not self._due(self.forwards):
+            self.since, self.sums = [], None
+            return
+        device = self.job.strategy.device
+        sums = torch.cat([self.sums, _stream(device) * len(self.since)])
+        since, steps = self.since, self.job.steps
         self.sums, self.since = None, []
         with torch.no_grad(), watched():
-            both = self.job.strategy.all_reduce(torch.cat([sums, -sums]), "max")
+            self.started = self.job.strategy.all_reduce_later(torch.cat([sums, -sums]), "max"), since, steps
+
+    def judge(self) -> None:
+        """The comparison under way, judged (at the next step of the job, or the next reduced forward: before the
+        step that batches would move): batches that differ are one line; where the random states had been alike
+        and parted since, a draw on some ranks only moved them."""
+        if self.started is None:
+            return
+        (result, since, steps), self.started = self.started, None
+        with torch.no_grad(), watched():
+            both = result()
         differ = (both[:5] != -both[5:]).tolist()  # the host sync: once a step, where there were draws
         if not differ[3] and not differ[4]:
             self.streams_alike_at = steps + 1  # alike as the draws before this step were made

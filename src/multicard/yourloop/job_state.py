@@ -21,6 +21,7 @@ batch, an op with no deterministic version) are tried by the process's one excep
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -56,6 +57,10 @@ class JobState:
         progress.hook_failures()  # an error that ends the process is read by the open jobs (the one excepthook)
 
     def close(self) -> None:
+        if self.inputs.started is not None:  # a comparison under way: waited for (the group goes down next)
+            with contextlib.suppress(Exception):
+                self.inputs.started[0]()
+            self.inputs.started = None
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -75,6 +80,7 @@ class JobState:
         if getattr(self.strategy, "sharded", False):
             self.strategy.check_optimizer(optimizer)  # one fsdp cannot step: refused at its first step
         if self.strategy.world > 1 and self.params.before_step(optimizer, judge=not jobs or jobs[-1] is self):
+            self.inputs.judge()  # the batches of this step, compared before it is taken
             self.steps += 1
             if optimizer not in self.params.optimizers:
                 self.replicas.stepped_elsewhere(optimizer)
