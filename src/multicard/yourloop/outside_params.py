@@ -131,7 +131,7 @@ class OutsideParams:
 
     def _say_unowned(self, optimizer: torch.optim.Optimizer, found: list[torch.Tensor]) -> None:
         check = self.job.replicas
-        if check.mode == "off" or "owners" in self.job.warned:
+        if check.mode == "off" or "strays" in self.job.warned:
             return
         values = sum(p.numel() for p in found)
         what = f"{len(found)} parameter{'s' * (len(found) > 1)} ({values:,} value{'s' * (values > 1)})"
@@ -140,7 +140,7 @@ class OutsideParams:
                 f"train apart; set them up, model, optimizer = mc.setup(model, optimizer) (for an optimizer built "
                 f"after setup, mc.setup_optimizers(optimizer)); where each process should train its own, "
                 f"mc.local_optimizer(optimizer)")
-        self.job.stop_or_warn(line, "owners")
+        self.job.stop_or_warn(line, "strays")
 
 
 def _wrapped_by_torch() -> set[int]:
