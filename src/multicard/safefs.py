@@ -29,7 +29,8 @@ MARK = ".multicard"  # in every folder multicard makes in --out: what proves it 
 SMALL = 64 * 1024  # markers and run.json: a few dozen bytes by construction
 FOLDER_MODE = 0o755  # a folder multicard makes: nobody else may add, rename or remove in it, whatever the umask
 MAGIC = Path("/proc/self/fd")  # Linux: /proc/self/fd/N/name is `name` in the folder descriptor N holds, wherever it is
-_shown: dict[int, Path] = {}  # descriptor -> the path a held folder is named by in messages
+# descriptor -> the path a held folder is named by in messages: module level, as descriptors are the process's
+_shown: dict[int, Path] = {}
 
 
 def kind(path: Path) -> str | None:

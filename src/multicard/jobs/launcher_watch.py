@@ -18,7 +18,9 @@ from .protocol import from_env
 
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
-_parent: int | None = None  # the launcher this rank belongs to, once watched
+# the launcher this rank belongs to, once watched: module level, as the process is a rank of one launcher and the
+# fork and signal paths that read it have no object to ask
+_parent: int | None = None
 _FIRST_PARENT = os.getppid()  # as multicard was first imported: a launcher that dies while its rank still imports
 # torch is seen gone once the rank watches (the parent then is whoever took the orphan, not the launcher)
 

@@ -114,7 +114,8 @@ def _unpickled(work: bytes, rank: int) -> tuple[Callable, tuple]:
         sys.argv = argv
 
 
-_signalled: list[int] = []  # the signals this spawned process got: SIGINT, SIGTERM or SIGHUP
+# the signals this spawned process got (SIGINT, SIGTERM or SIGHUP): module level, as a signal handler writes it
+_signalled: list[int] = []
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:

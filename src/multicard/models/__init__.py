@@ -19,6 +19,7 @@ from .lenet import LeNet5
 from .resnet import ResNet8
 from .wide_mlp import WideMLP
 
+# the models by name: a registry users add to (@register), read by --model; module level, as names are global
 MODELS: dict[str, Callable[[], nn.Module]] = {"lenet5": LeNet5, "resnet8": ResNet8, "wide-mlp": WideMLP}
 
 
