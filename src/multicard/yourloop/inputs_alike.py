@@ -18,6 +18,7 @@ where it can be seen cheaply (on 2+ processes; the replica check's mode governs 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -92,6 +93,13 @@ class Inputs:
         self.sums, self.since = None, []
         with torch.no_grad(), watched():
             self.started = self.job.strategy.all_reduce_later(torch.cat([sums, -sums]), "max"), since, steps
+
+    def finish(self) -> None:
+        """The job closes: a comparison under way is waited for, not judged (the process group goes down next)."""
+        started, self.started = self.started, None
+        if started is not None:
+            with contextlib.suppress(Exception):
+                started[0]()
 
     def judge(self) -> None:
         """The comparison under way, judged (at the next step of the job, or the next reduced forward: before the

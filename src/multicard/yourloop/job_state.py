@@ -21,7 +21,6 @@ batch, an op with no deterministic version) are tried by the process's one excep
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -57,10 +56,7 @@ class JobState:
         progress.hook_failures()  # an error that ends the process is read by the open jobs (the one excepthook)
 
     def close(self) -> None:
-        if self.inputs.started is not None:  # a comparison under way: waited for (the group goes down next)
-            with contextlib.suppress(Exception):
-                self.inputs.started[0]()
-            self.inputs.started = None
+        self.inputs.finish()  # a comparison under way: waited for (the group goes down next)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -68,8 +64,7 @@ class JobState:
 
     def holds(self, parameter: torch.Tensor) -> bool:
         """Whether a model set up in this job, or in another open in the process, holds `parameter`."""
-        return any(parameter in job.params.held for job in progress.open_jobs() if isinstance(job, JobState)) or \
-            parameter in self.params.held
+        return any(parameter in job.params.held for job in (self, *progress.open_jobs()) if isinstance(job, JobState))
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """torch's pre-step hook, for every optimizer of the process while the job is open (one another job open
